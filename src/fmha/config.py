@@ -1,0 +1,58 @@
+"""Tile configurations: what a launch needs beyond the tensors.
+
+The autotuner supplies a :class:`ForwardConfig` per shape; until one is known,
+:func:`heuristic_forward_config` picks one from the head dim and dtype.
+Under the Triton interpreter a single small tile is pinned: it does not autotune,
+and small tiles keep CPU tests quick while still crossing block boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"ForwardConfig.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ForwardConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"ForwardConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+INTERPRETER_FORWARD_CONFIG = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Power-of-two register width for a head dim; tl.dot needs at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def heuristic_forward_config(head_dim: int, dtype: torch.dtype, seqlen_q: int) -> ForwardConfig:
+    """A config that compiles everywhere and runs well on Hopper-class GPUs."""
+    block_d = padded_head_dim(head_dim)
+    if block_d <= 64:
+        config = ForwardConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    elif block_d <= 128:
+        config = ForwardConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    else:
+        config = ForwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    block_n = config.block_n
+    if dtype == torch.float32:
+        # Twice the bytes per element: halve the K/V tile so shared memory still fits.
+        block_n = max(16, block_n // 2)
+    # No point in query tiles longer than the query.
+    block_m = min(config.block_m, max(16, triton.next_power_of_2(seqlen_q)))
+    return ForwardConfig(block_m, block_n, config.num_warps, config.num_stages)

@@ -1,0 +1,219 @@
+"""Public entry points: argument checks, layout handling and dispatch.
+
+Supported
+---------
+* ``attention(q, k, v, *, causal=False, scale=None, return_lse=False)``:
+  q is (B, Hq, Sq, D), k and v are (B, Hkv, Sk, D), Hq % Hkv == 0 (MHA, GQA, MQA).
+* Any strides, including ``x.transpose(1, 2)`` of a BSHD tensor and stride 0 from
+  ``expand``; nothing is copied. The output has q's memory layout when q is dense.
+* ``causal=True`` is bottom-right aligned as in FlashAttention: query i sees keys
+  j <= i + Sk - Sq. A row that sees no key returns zeros and LSE = -inf.
+* ``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
+  (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs).
+* ``naive_attention``: the materialising baseline, same contract as ``attention``.
+* dtypes float16 and bfloat16; float32 as a slow exact path.
+* Head dims 1 to 256, including non-powers of two (40, 80, 96, 192...).
+* Any Sq, Sk >= 1; empty batch, heads or sequences return empty (or zero) results.
+* CUDA tensors, and CPU tensors when ``TRITON_INTERPRET=1`` was set before import
+  (the same Triton kernels, run by Triton's interpreter).
+* ``return_lse``: natural-log log-sum-exp, float32, shape (B, Hq, Sq).
+
+Not yet supported (raise ``NotImplementedError``)
+-------------------------------------------------
+* Backward: inputs that require grad while grad mode is on.
+* SDPA ``attn_mask``, ``dropout_p > 0``, a value head dim different from the query's,
+  and batch dims that differ between query and key/value (broadcasting).
+* Varlen, KV-cache decode, sliding windows, softcap, ALiBi, dropout, FP8.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .config import INTERPRETER_FORWARD_CONFIG, ForwardConfig, heuristic_forward_config
+from .launch import INTERPRETED, default_scale, launch_forward, launch_naive
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
+    """Raise TypeError/ValueError naming the argument; runs before any launch."""
+    for name, tensor in zip(names, (q, k, v)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: {name} has dtype {tensor.dtype}; supported dtypes are "
+                            "torch.float16, torch.bfloat16 and torch.float32")
+        if tensor.ndim != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D (batch, heads, seqlen, head_dim), "
+                             f"got {tensor.ndim}-D with shape {tuple(tensor.shape)}")
+    qn, kn, vn = names
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: {qn}, {kn} and {vn} must have the same dtype, "
+                        f"got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}: {qn}, {kn} and {vn} must be on the same device, "
+                         f"got {q.device}, {k.device} and {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"{fn}: batch sizes differ: {qn} has {q.shape[0]}, {kn} {k.shape[0]}, {vn} {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"{fn}: {kn} and {vn} must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{fn}: {kn} and {vn} must have the same sequence length, "
+                         f"got {k.shape[2]} and {v.shape[2]}")
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_kv_heads == 0 and num_q_heads != 0 or num_kv_heads and num_q_heads % num_kv_heads:
+        raise ValueError(f"{fn}: the number of query heads ({num_q_heads}, in {qn}) must be a multiple "
+                         f"of the number of key/value heads ({num_kv_heads}, in {kn})")
+    head_dim = q.shape[3]
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        raise ValueError(f"{fn}: head dim mismatch: {qn} has {head_dim}, {kn} {k.shape[3]}, {vn} {v.shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{fn}: head dim (last dim of {qn}) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError(f"{fn}: {qn} is a CPU tensor, and fmha's kernels run on the GPU. To run them on "
+                           "the CPU through Triton's interpreter, set TRITON_INTERPRET=1 before importing "
+                           "triton or fmha.")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError(f"{fn}: the backward pass is not implemented yet; call it under "
+                                  "torch.no_grad() or pass detached tensors")
+
+
+def _check_scale(fn: str, scale, head_dim: int) -> float:
+    if scale is None:
+        return default_scale(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{fn}: scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _check_flag(fn: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _run(q, k, v, *, causal_offset, scale, naive: bool, config: ForwardConfig | None):
+    """Allocate outputs, handle empty inputs, launch. Returns (out, lse)."""
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    # empty_like keeps q's layout (BSHD stays BSHD) when q is dense.
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[2] == 0:  # no keys at all: every row sees nothing
+        return out.zero_(), lse.fill_(float("-inf"))
+    device_guard = torch.cuda.device(q.device) if q.device.type == "cuda" else _NULL_CONTEXT
+    with device_guard:
+        if naive:
+            launch_naive(q, k, v, out, lse, causal_offset=causal_offset, scale=scale)
+        else:
+            if config is None:
+                config = INTERPRETER_FORWARD_CONFIG if INTERPRETED else \
+                    heuristic_forward_config(head_dim, q.dtype, seqlen_q)
+            launch_forward(q, k, v, out, lse, causal_offset=causal_offset, scale=scale, config=config)
+    return out, lse
+
+
+class _NullContext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL_CONTEXT = _NullContext()
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, config: ForwardConfig | None = None):
+    """Exact fused attention softmax(q k^T * scale) v.
+
+    Args:
+        q: (B, Hq, Sq, D) float16, bfloat16 or float32, any strides.
+        k, v: (B, Hkv, Sk, D), same dtype and device, Hq % Hkv == 0.
+        causal: bottom-right aligned causal mask (query i sees keys j <= i + Sk - Sq).
+        scale: score scale, default D**-0.5.
+        return_lse: also return the natural-log LSE, float32 (B, Hq, Sq).
+        config: an explicit tile config (the autotuner's); default: chosen per shape.
+
+    Returns:
+        out (B, Hq, Sq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
+    """
+    fn = "fmha.attention"
+    _check_qkv(fn, q, k, v)
+    causal = _check_flag(fn, "causal", causal)
+    _check_flag(fn, "return_lse", return_lse)
+    scale = _check_scale(fn, scale, q.shape[3])
+    if config is not None and not isinstance(config, ForwardConfig):
+        raise TypeError(f"{fn}: config must be a fmha.ForwardConfig or None, got {type(config).__name__}")
+    offset = k.shape[2] - q.shape[2] if causal else None
+    out, lse = _run(q, k, v, causal_offset=offset, scale=scale, naive=False, config=config)
+    return (out, lse) if return_lse else out
+
+
+def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+    """Step 2 of the ladder: the same contract as :func:`attention`, with S and P materialised.
+
+    Allocates B * Hq * Sq * Sk * (4 + element size) bytes for the score and probability matrices.
+    """
+    fn = "fmha.naive_attention"
+    _check_qkv(fn, q, k, v)
+    causal = _check_flag(fn, "causal", causal)
+    _check_flag(fn, "return_lse", return_lse)
+    scale = _check_scale(fn, scale, q.shape[3])
+    offset = k.shape[2] - q.shape[2] if causal else None
+    out, lse = _run(q, k, v, causal_offset=offset, scale=scale, naive=True, config=None)
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Same semantics: inputs (..., H, L, E) or (N, L, E), ``is_causal`` aligned top-left
+    (query i sees keys 0..i), ``scale`` default E**-0.5, ``enable_gqa`` to let query
+    heads be a multiple of key/value heads. Unsupported arguments raise NotImplementedError.
+    """
+    fn = "fmha.scaled_dot_product_attention"
+    names = ("query", "key", "value")
+    for name, tensor in zip(names, (query, key, value)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.ndim < 3:
+            raise ValueError(f"{fn}: {name} must have at least 3 dims (N, L, E), got shape {tuple(tensor.shape)}")
+    if attn_mask is not None:
+        raise NotImplementedError(f"{fn}: attn_mask is not supported yet; use is_causal for causal masking")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{fn}: dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    if dropout_p > 0.0:
+        raise NotImplementedError(f"{fn}: dropout_p > 0 is not supported yet")
+    is_causal = _check_flag(fn, "is_causal", is_causal)
+    enable_gqa = _check_flag(fn, "enable_gqa", enable_gqa)
+    if value.shape[-1] != query.shape[-1] and key.shape[-1] == query.shape[-1]:
+        raise NotImplementedError(f"{fn}: a value head dim ({value.shape[-1]}) different from the query's "
+                                  f"({query.shape[-1]}) is not supported yet")
+    if not (query.ndim == key.ndim == value.ndim):
+        raise ValueError(f"{fn}: query, key and value must have the same number of dims, "
+                         f"got {query.ndim}, {key.ndim} and {value.ndim}")
+    if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
+        raise NotImplementedError(f"{fn}: broadcasting batch dims is not supported yet; query has "
+                                  f"{tuple(query.shape[:-3])}, key {tuple(key.shape[:-3])}, "
+                                  f"value {tuple(value.shape[:-3])}")
+    if query.ndim == 3:
+        q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    else:  # fold extra leading dims into the batch (a view for contiguous inputs)
+        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+    _check_qkv(fn, q, k, v, names)
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(f"{fn}: query has {q.shape[1]} heads and key {k.shape[1]}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    scale = _check_scale(fn, scale, q.shape[3])
+    out, _ = _run(q, k, v, causal_offset=0 if is_causal else None, scale=scale, naive=False, config=None)
+    return out.reshape(query.shape) if query.ndim != 4 else out

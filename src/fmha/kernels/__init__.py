@@ -1,0 +1,1 @@
+"""Triton kernels (``@triton.jit`` only); launchers live in :mod:`fmha.launch`."""

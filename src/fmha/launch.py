@@ -1,0 +1,84 @@
+"""Python launchers: grid, strides and constexprs for each kernel.
+
+They take tensors that :mod:`fmha.interface` has already checked (4-D, one dtype,
+one device, Hq % Hkv == 0, non-empty) and an explicit tile config.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .config import ForwardConfig, padded_head_dim
+from .kernels.forward import LOG2_E, attention_forward_kernel
+from .kernels.naive import pv_kernel, scores_kernel, softmax_kernel
+
+try:  # the class triton.jit returns when TRITON_INTERPRET=1 was set at import time
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # pragma: no cover - very old triton
+    InterpretedFunction = ()
+
+INTERPRETED = isinstance(attention_forward_kernel, InterpretedFunction)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get exact fp32 products, like PyTorch's default matmul (no TF32).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
+                   config: ForwardConfig) -> None:
+    """Fused forward: writes ``out`` (B, Hq, Sq, D) and ``lse`` (B, Hq, Sq) fp32."""
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    grid = (triton.cdiv(seqlen_q, config.block_m) * batch * num_q_heads,)
+    attention_forward_kernel[grid](
+        q, k, v, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
+        0 if causal_offset is None else causal_offset, scale * LOG2_E,
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        CAUSAL=causal_offset is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+NAIVE_BLOCK = 16 if INTERPRETED else 64
+NAIVE_SOFTMAX_BLOCK = 64 if INTERPRETED else 1024
+
+
+def launch_naive(q, k, v, out, lse, *, causal_offset: int | None, scale: float) -> None:
+    """Materialising baseline: S (fp32) and P (input dtype) are allocated in full."""
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    group_size = num_q_heads // num_kv_heads
+    block_d = padded_head_dim(head_dim)
+    # Wide head dims would not fit a 64x64 tile per operand in shared memory.
+    block = NAIVE_BLOCK if block_d <= 128 else min(NAIVE_BLOCK, 32)
+    scores = torch.empty((batch, num_q_heads, seqlen_q, seqlen_k), device=q.device, dtype=torch.float32)
+    probs = torch.empty((batch, num_q_heads, seqlen_q, seqlen_k), device=q.device, dtype=q.dtype)
+    precision = dot_precision(q.dtype)
+    scores_kernel[(triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block), batch * num_q_heads)](
+        q, k, scores, *q.stride(), *k.stride(),
+        num_q_heads, group_size, seqlen_q, seqlen_k,
+        0 if causal_offset is None else causal_offset, scale,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block,
+        CAUSAL=causal_offset is not None, DOT_PRECISION=precision,
+    )
+    softmax_block = min(NAIVE_SOFTMAX_BLOCK, triton.next_power_of_2(seqlen_k))
+    softmax_kernel[(batch * num_q_heads * seqlen_q,)](
+        scores, probs, lse, seqlen_k, BLOCK_N=softmax_block,
+        num_warps=4 if softmax_block >= 512 else 1,
+    )
+    pv_kernel[(triton.cdiv(seqlen_q, block), batch * num_q_heads)](
+        probs, v, out, *v.stride(), *out.stride(),
+        num_q_heads, group_size, seqlen_q, seqlen_k,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=precision,
+    )
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,125 @@
+"""Step 1 of the ladder: the math, checked in float64 before any kernel exists.
+
+Two NumPy implementations of the same function:
+
+* :func:`online_attention` walks K/V in blocks and keeps, per query row, a running
+  max ``m``, a running sum ``l`` and an accumulator rescaled whenever ``m`` grows.
+  It never holds the Sq x Sk matrix: this is the invariant the fused kernel relies on.
+* :func:`direct_attention` materialises softmax(Q K^T * scale) V.
+
+Shapes follow the library: q is (B, Hq, Sq, D), k and v are (B, Hkv, Sk, D) with
+Hq % Hkv == 0. ``causal_offset`` is the diagonal: query i sees key j iff
+j <= i + causal_offset. :func:`causal_offset` gives it for both alignments.
+Both functions return ``(out, lse)`` with the natural-log LSE of shape (B, Hq, Sq);
+a row that sees no key gets zeros and LSE = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+__all__ = ["causal_offset", "online_attention", "direct_attention", "dense_attention"]
+
+
+def causal_offset(seqlen_q: int, seqlen_k: int, alignment: str = "bottom_right") -> int:
+    """Diagonal offset d such that query i sees key j iff j <= i + d.
+
+    ``bottom_right`` is FlashAttention's convention (the last query sees the last key),
+    ``top_left`` is PyTorch SDPA's ``is_causal`` (query i sees keys 0..i).
+    """
+    if alignment == "bottom_right":
+        return seqlen_k - seqlen_q
+    if alignment == "top_left":
+        return 0
+    raise ValueError(f"alignment must be 'bottom_right' or 'top_left', got {alignment!r}")
+
+
+def _prepare(q, k, v, scale):
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k and v must be 4-D (B, H, S, D)")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"Hq={q.shape[1]} is not a multiple of Hkv={k.shape[1]}")
+    group = q.shape[1] // k.shape[1]
+    # GQA: query head h reads kv head h // group.
+    k = np.repeat(k, group, axis=1)
+    v = np.repeat(v, group, axis=1)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return q, k, v, float(scale)
+
+
+def _visible(seqlen_q: int, key_index: np.ndarray, offset: int | None) -> np.ndarray:
+    """Boolean (Sq, len(key_index)) mask of the keys each query row may see."""
+    if offset is None:
+        return np.ones((seqlen_q, key_index.size), dtype=bool)
+    return key_index[None, :] <= np.arange(seqlen_q)[:, None] + offset
+
+
+def online_attention(q, k, v, *, scale=None, causal_offset=None, block_n: int = 64):
+    """Blockwise online-softmax attention in float64: holds at most Sq x block_n scores."""
+    q, k, v, scale = _prepare(q, k, v, scale)
+    batch, heads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
+    running_max = np.full((batch, heads, seqlen_q), -np.inf)
+    running_sum = np.zeros((batch, heads, seqlen_q))
+    acc = np.zeros((batch, heads, seqlen_q, v.shape[-1]))
+    for start in range(0, seqlen_k, block_n):
+        keys = np.arange(start, min(start + block_n, seqlen_k))
+        scores = np.einsum("bhqd,bhkd->bhqk", q, k[:, :, keys]) * scale  # [B, H, Sq, block_n]
+        scores = np.where(_visible(seqlen_q, keys, causal_offset), scores, -np.inf)
+        new_max = np.maximum(running_max, scores.max(axis=-1))
+        # Rows that have seen nothing yet keep max = -inf; exp(-inf - 0) = 0 avoids inf - inf.
+        safe_max = np.where(np.isneginf(new_max), 0.0, new_max)
+        probs = np.exp(scores - safe_max[..., None])
+        rescale = np.exp(running_max - safe_max)
+        running_sum = running_sum * rescale + probs.sum(axis=-1)
+        acc = acc * rescale[..., None] + np.einsum("bhqk,bhkd->bhqd", probs, v[:, :, keys])
+        running_max = new_max
+    return _finish(acc, running_max, running_sum)
+
+
+def direct_attention(q, k, v, *, scale=None, causal_offset=None):
+    """softmax(Q K^T * scale) V in float64, materialising the full score matrix."""
+    q, k, v, scale = _prepare(q, k, v, scale)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    scores = np.einsum("bhqd,bhkd->bhqk", q, k) * scale  # [B, H, Sq, Sk]
+    scores = np.where(_visible(seqlen_q, np.arange(seqlen_k), causal_offset), scores, -np.inf)
+    row_max = scores.max(axis=-1, initial=-np.inf)
+    safe_max = np.where(np.isneginf(row_max), 0.0, row_max)
+    probs = np.exp(scores - safe_max[..., None])
+    return _finish(probs @ v, row_max, probs.sum(axis=-1))
+
+
+def _finish(acc, row_max, row_sum):
+    seen = row_sum > 0
+    out = np.where(seen[..., None], acc / np.where(seen, row_sum, 1.0)[..., None], 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, row_max + np.log(np.where(seen, row_sum, 1.0)), -np.inf)
+    return out, lse
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=None,
+                    causal_offset=None, dtype=torch.float64):
+    """The direct formula in torch, on the inputs' device, computed in ``dtype``.
+
+    The float64 ground truth for GPU tests and the benchmark's correctness gate,
+    where NumPy on the host would be too slow. Returns ``(out, lse)`` like the others.
+    """
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
+    if causal_offset is not None:
+        rows = torch.arange(q.shape[2], device=q.device)[:, None]
+        cols = torch.arange(k.shape[2], device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + causal_offset, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+    return probs @ v, lse
