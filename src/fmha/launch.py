@@ -51,7 +51,7 @@ NAIVE_SOFTMAX_BLOCK = 64 if INTERPRETED else 1024
 
 
 def launch_naive(q, k, v, out, lse, *, causal_offset: int | None, scale: float) -> None:
-    """Materialising baseline: S (fp32) and P (input dtype) are allocated in full."""
+    """Materialising baseline: S (fp32) and unnormalised P (input dtype) are allocated in full."""
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     group_size = num_q_heads // num_kv_heads
@@ -60,6 +60,7 @@ def launch_naive(q, k, v, out, lse, *, causal_offset: int | None, scale: float) 
     block = NAIVE_BLOCK if block_d <= 128 else min(NAIVE_BLOCK, 32)
     scores = torch.empty((batch, num_q_heads, seqlen_q, seqlen_k), device=q.device, dtype=torch.float32)
     probs = torch.empty((batch, num_q_heads, seqlen_q, seqlen_k), device=q.device, dtype=q.dtype)
+    inv_row_sum = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
     precision = dot_precision(q.dtype)
     scores_kernel[(triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block), batch * num_q_heads)](
         q, k, scores, *q.stride(), *k.stride(),
@@ -70,11 +71,11 @@ def launch_naive(q, k, v, out, lse, *, causal_offset: int | None, scale: float) 
     )
     softmax_block = min(NAIVE_SOFTMAX_BLOCK, triton.next_power_of_2(seqlen_k))
     softmax_kernel[(batch * num_q_heads * seqlen_q,)](
-        scores, probs, lse, seqlen_k, BLOCK_N=softmax_block,
+        scores, probs, inv_row_sum, lse, seqlen_k, BLOCK_N=softmax_block,
         num_warps=4 if softmax_block >= 512 else 1,
     )
     pv_kernel[(triton.cdiv(seqlen_q, block), batch * num_q_heads)](
-        probs, v, out, *v.stride(), *out.stride(),
+        probs, v, inv_row_sum, out, *v.stride(), *out.stride(),
         num_q_heads, group_size, seqlen_q, seqlen_k,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=precision,
     )

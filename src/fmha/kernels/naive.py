@@ -1,8 +1,12 @@
 """Step 2: the materialising baseline, three kernels with S and P in global memory.
 
 1. ``scores_kernel``:  S = Q K^T * scale, fp32, causal entries set to -inf.
-2. ``softmax_kernel``: P = softmax(S) in the input dtype, plus the natural-log LSE.
-3. ``pv_kernel``:      O = P V.
+2. ``softmax_kernel``: P = exp(S - rowmax(S)) in the input dtype, 1 / rowsum(P) and the LSE.
+3. ``pv_kernel``:      O = (P V) / rowsum(P).
+
+P is stored before normalisation (its largest entry is exactly 1) and the division
+happens on the fp32 accumulator, as in the fused kernel: storing normalised
+probabilities in fp16 would lose about one bit, more than PyTorch's own error.
 
 This is the "before" of every speedup the report prints: plain tiled kernels,
 each a reasonable implementation of its own step, and O(Sq * Sk) memory traffic.
@@ -48,7 +52,7 @@ def scores_kernel(
 
 
 @triton.jit
-def softmax_kernel(S, P, Lse, seqlen_k, BLOCK_N: tl.constexpr):
+def softmax_kernel(S, P, InvRowSum, Lse, seqlen_k, BLOCK_N: tl.constexpr):
     """One program per row: a max/sum pass over S, then a pass that writes P."""
     row = tl.program_id(0).to(tl.int64)
     s_row = S + row * seqlen_k
@@ -69,16 +73,17 @@ def softmax_kernel(S, P, Lse, seqlen_k, BLOCK_N: tl.constexpr):
     inv_total = tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
     for start in range(0, seqlen_k, BLOCK_N):
         s = tl.load(s_row + start + offs, mask=start + offs < seqlen_k, other=float("-inf")) * LOG2_E
-        p = tl.math.exp2(s - final_max_safe) * inv_total
+        p = tl.math.exp2(s - final_max_safe)
         tl.store(p_row + start + offs, p.to(P.dtype.element_ty), mask=start + offs < seqlen_k)
     lse = tl.where(total > 0.0, (final_max_safe + tl.math.log2(tl.where(total > 0.0, total, 1.0))) * LN_2,
                    float("-inf"))
     tl.store(Lse + row, lse)
+    tl.store(InvRowSum + row, inv_total)
 
 
 @triton.jit
 def pv_kernel(
-    P, V, Out,
+    P, V, InvRowSum, Out,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     num_q_heads, group_size, seqlen_q, seqlen_k,
@@ -104,6 +109,8 @@ def pv_kernel(
         p = tl.load(p_ptrs + start_n, mask=(offs_m[:, None] < seqlen_q) & keys_in_range[None, :], other=0.0)
         v = tl.load(v_ptrs + start_n * stride_vn, mask=keys_in_range[:, None] & d_in_range, other=0.0)
         acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_D]
+    inv_row_sum = tl.load(InvRowSum + batch_head.to(tl.int64) * seqlen_q + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    acc = acc * inv_row_sum[:, None]
     o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
               + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od)
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & d_in_range)

@@ -1,0 +1,129 @@
+"""Steps 2 and 3 on the CPU: the naive and fused kernels under Triton's interpreter.
+
+fp16 and fp32 only: under the interpreter, bf16 tl.dot multiplies raw bits.
+"""
+
+import math
+
+import pytest
+import torch
+
+import fmha
+from fmha import ForwardConfig
+
+from .helpers import assert_close_to_reference, random_qkv
+
+pytestmark = pytest.mark.interpreter
+
+DTYPES = [torch.float16, torch.float32]
+# (batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim)
+SHAPES = [
+    (1, 1, 1, 1, 1, 16),
+    (2, 2, 2, 17, 17, 32),
+    (1, 4, 1, 33, 70, 40),    # MQA, Sk > Sq, non-power-of-two D
+    (1, 4, 2, 70, 33, 24),    # GQA, Sq > Sk: bottom-right causal leaves rows with no key
+    (1, 2, 2, 48, 48, 80),
+    (1, 1, 1, 5, 129, 96),
+]
+IMPLEMENTATIONS = {"fused": fmha.attention, "naive": fmha.naive_attention}
+
+
+def _offset(causal, seqlen_q, seqlen_k):
+    return seqlen_k - seqlen_q if causal else None
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64_reference(implementation, causal, shape, dtype):
+    batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
+    q, k, v = random_qkv(*shape, dtype)
+    out, lse = IMPLEMENTATIONS[implementation](q, k, v, causal=causal, return_lse=True)
+    assert_close_to_reference(out, q, k, v, causal_offset=_offset(causal, seqlen_q, seqlen_k), lse=lse)
+
+
+@pytest.mark.parametrize("config", [ForwardConfig(16, 32, 1, 1), ForwardConfig(32, 16, 1, 1),
+                                    ForwardConfig(64, 16, 1, 2)], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_shapes(config, causal):
+    """Causal diagonal and tails when BLOCK_M != BLOCK_N, through an explicit config."""
+    q, k, v = random_qkv(1, 2, 1, 75, 90, 32, torch.float16)
+    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True, config=config)
+    assert_close_to_reference(out, q, k, v, causal_offset=_offset(causal, 75, 90), lse=lse)
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+def test_bshd_strides(implementation):
+    q, k, v = random_qkv(2, 4, 2, 19, 23, 32, torch.float16, layout="bshd")
+    assert not q.is_contiguous()
+    out = IMPLEMENTATIONS[implementation](q, k, v, causal=True)
+    assert_close_to_reference(out, q, k, v, causal_offset=4)
+    if implementation == "fused":
+        assert out.stride() == q.stride()  # the output keeps the caller's BSHD layout
+
+
+def test_expanded_inputs_with_zero_strides():
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, 9, 16, generator=generator).expand(3, 2, 9, 16)
+    k = torch.randn(1, 1, 20, 16, generator=generator).expand(3, 2, 20, 16)
+    v = torch.randn(3, 2, 20, 16, generator=generator)
+    assert q.stride()[:2] == (0, 0)
+    out = fmha.attention(q, k, v)
+    assert_close_to_reference(out, q, k, v)
+
+
+def test_sliced_head_dim_view():
+    """A non-contiguous last dim (every other element) is read through its stride."""
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 12, 64, generator=generator)[..., ::2] for _ in range(3))
+    out = fmha.attention(q, k, v, causal=True)
+    assert_close_to_reference(out, q, k, v, causal_offset=0)
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, -0.3])
+def test_scale(scale):
+    q, k, v = random_qkv(1, 2, 2, 20, 31, 16, torch.float32)
+    out = fmha.attention(q, k, v, scale=scale)
+    assert_close_to_reference(out, q, k, v, scale=scale)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = random_qkv(1, 1, 1, 8, 8, 24, torch.float32)
+    torch.testing.assert_close(fmha.attention(q, k, v), fmha.attention(q, k, v, scale=1 / math.sqrt(24)))
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+def test_rows_that_see_no_key_give_zero_and_minus_inf(implementation):
+    q, k, v = random_qkv(1, 2, 2, 40, 8, 16, torch.float16)
+    out, lse = IMPLEMENTATIONS[implementation](q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :, :32] == 0) and torch.all(torch.isneginf(lse[:, :, :32]))
+    assert torch.isfinite(lse[:, :, 32:]).all()
+    assert_close_to_reference(out, q, k, v, causal_offset=-32, lse=lse)
+
+
+def test_large_logits_stay_finite():
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 30, 16, generator=generator) * 100
+    k = torch.randn(1, 1, 45, 16, generator=generator) * 100
+    v = torch.randn(1, 1, 45, 16, generator=generator)
+    out, lse = fmha.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_close_to_reference(out, q, k, v, causal_offset=15, lse=lse)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 2, 5, 5, 16), (2, 0, 0, 5, 5, 16), (1, 2, 2, 0, 5, 16),
+                                   (1, 2, 1, 5, 0, 16)], ids=str)
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+def test_empty_inputs(shape, implementation):
+    q, k, v = random_qkv(*shape, torch.float16)
+    out, lse = IMPLEMENTATIONS[implementation](q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    if shape[4] == 0:  # no keys: zeros and -inf, not NaN
+        assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+def test_output_dtype_and_lse_dtype():
+    q, k, v = random_qkv(1, 1, 1, 4, 4, 16, torch.float16)
+    out, lse = fmha.attention(q, k, v, return_lse=True)
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32

@@ -1,0 +1,98 @@
+"""Step 1: the blockwise online softmax equals the direct softmax, in float64."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fmha.reference import causal_offset, dense_attention, direct_attention, online_attention
+
+
+@st.composite
+def attention_problems(draw):
+    batch = draw(st.integers(1, 2))
+    kv_heads = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([1, 2, 4]))
+    seqlen_q = draw(st.integers(1, 40))
+    seqlen_k = draw(st.integers(1, 70))
+    head_dim = draw(st.sampled_from([1, 8, 16, 24, 40]))
+    block_n = draw(st.sampled_from([1, 7, 16, 64]))
+    alignment = draw(st.sampled_from([None, "bottom_right", "top_left"]))
+    magnitude = draw(st.sampled_from([1.0, 30.0]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, kv_heads * group, seqlen_q, head_dim)) * magnitude
+    k = rng.standard_normal((batch, kv_heads, seqlen_k, head_dim)) * magnitude
+    v = rng.standard_normal((batch, kv_heads, seqlen_k, head_dim))
+    offset = None if alignment is None else causal_offset(seqlen_q, seqlen_k, alignment)
+    return q, k, v, offset, block_n
+
+
+def assert_same(online, direct):
+    (out_a, lse_a), (out_b, lse_b) = online, direct
+    assert np.isfinite(out_a).all() and np.isfinite(out_b).all()
+    assert not np.isnan(lse_a).any()
+    np.testing.assert_array_equal(np.isneginf(lse_a), np.isneginf(lse_b))
+    scale = max(1.0, np.abs(out_b).max())
+    assert np.abs(out_a - out_b).max() <= 1e-12 * scale
+    finite = np.isfinite(lse_b)
+    assert np.abs(lse_a[finite] - lse_b[finite]).max(initial=0.0) <= 1e-12 * max(1.0, np.abs(lse_b[finite]).max(initial=0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(attention_problems())
+def test_online_matches_direct(problem):
+    q, k, v, offset, block_n = problem
+    assert_same(online_attention(q, k, v, causal_offset=offset, block_n=block_n),
+                direct_attention(q, k, v, causal_offset=offset))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 30), st.sampled_from([1e4, -1e4]), st.integers(0, 2**32 - 1))
+def test_huge_logits_do_not_overflow(seqlen_q, seqlen_k, magnitude, seed):
+    rng = np.random.default_rng(seed)
+    q = np.full((1, 1, seqlen_q, 4), 1.0) + rng.standard_normal((1, 1, seqlen_q, 4)) * 1e-3
+    k = np.sign(rng.standard_normal((1, 1, seqlen_k, 4))) * magnitude  # logits of about +-2e4
+    v = rng.standard_normal((1, 1, seqlen_k, 4))
+    online = online_attention(q, k, v, block_n=8)
+    direct = direct_attention(q, k, v)
+    assert np.isfinite(online[0]).all() and np.isfinite(online[1]).all()
+    assert_same(online, direct)
+
+
+def test_rows_that_see_no_key_are_zero_with_lse_minus_inf():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((1, 2, 10, 8)), rng.standard_normal((1, 2, 4, 8)), rng.standard_normal((1, 2, 4, 8))
+    offset = causal_offset(10, 4, "bottom_right")  # -6: rows 0..5 see nothing
+    for out, lse in (online_attention(q, k, v, causal_offset=offset, block_n=3),
+                     direct_attention(q, k, v, causal_offset=offset)):
+        assert np.all(out[:, :, :6] == 0.0) and np.all(np.isneginf(lse[:, :, :6]))
+        assert np.isfinite(lse[:, :, 6:]).all() and np.abs(out[:, :, 6:]).sum() > 0
+
+
+def test_causal_alignments():
+    assert causal_offset(3, 5, "bottom_right") == 2
+    assert causal_offset(3, 5, "top_left") == 0
+    with pytest.raises(ValueError, match="alignment"):
+        causal_offset(3, 5, "diagonal")
+
+
+def test_lse_is_log_of_softmax_normaliser():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 1, n, 16)) for n in (5, 9, 9))
+    _, lse = direct_attention(q, k, v, scale=0.5)
+    expected = np.log(np.exp(q[0, 0] @ k[0, 0].T * 0.5).sum(-1))
+    np.testing.assert_allclose(lse[0, 0], expected, rtol=1e-13)
+
+
+def test_dense_torch_reference_matches_numpy():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 13, 24, generator=generator)
+    k = torch.randn(2, 2, 21, 24, generator=generator)
+    v = torch.randn(2, 2, 21, 24, generator=generator)
+    for offset in (None, 8, -3):
+        out, lse = dense_attention(q, k, v, causal_offset=offset)
+        ref_out, ref_lse = direct_attention(q.numpy(), k.numpy(), v.numpy(), causal_offset=offset)
+        np.testing.assert_allclose(out.numpy(), ref_out, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(np.isneginf(lse.numpy()), np.isneginf(ref_lse))

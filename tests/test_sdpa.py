@@ -1,0 +1,40 @@
+"""fmha.scaled_dot_product_attention against torch's, on the CPU through the interpreter."""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
+
+import fmha
+
+from .helpers import assert_close_to_reference, random_qkv
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.mark.parametrize("seqlens", [(9, 30), (30, 9), (16, 16)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_top_left_causal_matches_torch(seqlens, is_causal):
+    q, k, v = random_qkv(2, 4, 2, *seqlens, 32, torch.float32)
+    out = fmha.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = torch_sdpa(q, k, v, is_causal=is_causal, enable_gqa=True)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    assert_close_to_reference(out, q, k, v, causal_offset=0 if is_causal else None)
+
+
+def test_three_dim_inputs():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 11, 16, generator=generator, dtype=torch.float16) for _ in range(3))
+    out = fmha.scaled_dot_product_attention(q, k, v, scale=0.3)
+    assert out.shape == q.shape
+    expected = torch_sdpa(q.float(), k.float(), v.float(), scale=0.3)
+    torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_five_dim_inputs():
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 2, 7, 16, generator=generator) for _ in range(3))
+    out = fmha.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, torch_sdpa(q, k, v, is_causal=True), atol=2e-6, rtol=1e-5)

@@ -1,0 +1,137 @@
+"""Bad input raises a clear TypeError/ValueError naming the argument, before any launch."""
+
+import pytest
+import torch
+
+import fmha
+from fmha import ForwardConfig
+
+
+def qkv(q_shape=(1, 4, 8, 16), k_shape=(1, 2, 8, 16), v_shape=None, dtype=torch.float16):
+    v_shape = v_shape or k_shape
+    return torch.randn(q_shape).to(dtype), torch.randn(k_shape).to(dtype), torch.randn(v_shape).to(dtype)
+
+
+ENTRY_POINTS = [fmha.attention, fmha.naive_attention]
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+@pytest.mark.parametrize("bad, error, pattern", [
+    (dict(q_shape=(4, 8, 16)), ValueError, r"q must be 4-D"),
+    (dict(k_shape=(1, 2, 8, 16, 1)), ValueError, r"k must be 4-D"),
+    (dict(k_shape=(1, 3, 8, 16)), ValueError, r"multiple of the number of key/value heads"),
+    (dict(k_shape=(1, 2, 8, 32)), ValueError, r"head dim mismatch"),
+    (dict(q_shape=(1, 4, 8, 320), k_shape=(1, 2, 8, 320)), ValueError, r"head dim .* between 1 and 256"),
+    (dict(v_shape=(1, 2, 9, 16)), ValueError, r"k and v must have the same sequence length"),
+    (dict(v_shape=(1, 1, 8, 16)), ValueError, r"k and v must have the same number of heads"),
+    (dict(k_shape=(2, 2, 8, 16)), ValueError, r"batch sizes differ"),
+])
+def test_shape_errors(fn, bad, error, pattern):
+    q, k, v = qkv(**bad)
+    with pytest.raises(error, match=pattern):
+        fn(q, k, v)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_integer_tensors(fn):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"k has dtype torch.int32"):
+        fn(q, k.to(torch.int32), v)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_float64_is_rejected(fn):
+    q, k, v = qkv(dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"q has dtype torch.float64"):
+        fn(q, k, v)
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_mismatched_dtypes(fn):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"same dtype"):
+        fn(q, k, v.float())
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_mismatched_devices(fn):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"same device"):
+        fn(q, k, v.to("meta"))
+
+
+@pytest.mark.parametrize("fn", ENTRY_POINTS)
+def test_not_a_tensor(fn):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"v must be a torch.Tensor"):
+        fn(q, k, v.numpy())
+
+
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(scale="0.1"), TypeError, r"scale must be a real number"),
+    (dict(scale=float("nan")), ValueError, r"scale must be finite"),
+    (dict(causal=1), TypeError, r"causal must be a bool"),
+    (dict(return_lse="yes"), TypeError, r"return_lse must be a bool"),
+    (dict(config=(64, 64, 4, 3)), TypeError, r"config must be a fmha.ForwardConfig"),
+])
+def test_keyword_errors(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        fmha.attention(*qkv(), **kwargs)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match=r"block_m must be a power of two"):
+        ForwardConfig(block_m=48, block_n=64, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match=r"num_warps"):
+        ForwardConfig(block_m=64, block_n=64, num_warps=3, num_stages=2)
+
+
+def test_backward_not_implemented_yet():
+    q, k, v = qkv(dtype=torch.float32)
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match=r"backward pass is not implemented"):
+        fmha.attention(q, k, v)
+
+
+@pytest.mark.interpreter
+def test_no_grad_inputs_that_require_grad_are_fine():
+    q, k, v = qkv(dtype=torch.float32)
+    q.requires_grad_(True)
+    with torch.no_grad():
+        assert fmha.attention(q, k, v).shape == q.shape
+
+
+class TestSdpaEntryPoint:
+    def test_attn_mask_not_implemented(self):
+        q, k, v = qkv(k_shape=(1, 4, 8, 16))
+        with pytest.raises(NotImplementedError, match=r"attn_mask"):
+            fmha.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+
+    def test_dropout_not_implemented(self):
+        q, k, v = qkv(k_shape=(1, 4, 8, 16))
+        with pytest.raises(NotImplementedError, match=r"dropout_p"):
+            fmha.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    def test_dropout_out_of_range(self):
+        q, k, v = qkv(k_shape=(1, 4, 8, 16))
+        with pytest.raises(ValueError, match=r"dropout_p must be a float in \[0, 1\]"):
+            fmha.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
+
+    def test_gqa_needs_enable_gqa(self):
+        q, k, v = qkv()
+        with pytest.raises(ValueError, match=r"enable_gqa=True"):
+            fmha.scaled_dot_product_attention(q, k, v)
+
+    def test_value_head_dim_not_implemented(self):
+        q, k, v = qkv(k_shape=(1, 4, 8, 16), v_shape=(1, 4, 8, 32))
+        with pytest.raises(NotImplementedError, match=r"value head dim"):
+            fmha.scaled_dot_product_attention(q, k, v)
+
+    def test_batch_broadcasting_not_implemented(self):
+        q, k, v = qkv(q_shape=(2, 4, 8, 16), k_shape=(1, 4, 8, 16))
+        with pytest.raises(NotImplementedError, match=r"broadcasting"):
+            fmha.scaled_dot_product_attention(q, k, v)
+
+    def test_too_few_dims(self):
+        with pytest.raises(ValueError, match=r"query must have at least 3 dims"):
+            fmha.scaled_dot_product_attention(torch.randn(8, 16), torch.randn(8, 16), torch.randn(8, 16))
