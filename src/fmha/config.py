@@ -8,6 +8,7 @@ and small tiles keep CPU tests quick while still crossing block boundaries.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,12 @@ def padded_head_dim(head_dim: int) -> int:
 
 def heuristic_forward_config(head_dim: int, dtype: torch.dtype, seqlen_q: int) -> ForwardConfig:
     """A config that compiles everywhere and runs well on Hopper-class GPUs."""
+    # Cached per power-of-two query-length bucket: the hot path pays a dict lookup.
+    return _heuristic_forward_config(head_dim, dtype, min(128, triton.next_power_of_2(seqlen_q)))
+
+
+@functools.lru_cache(maxsize=None)
+def _heuristic_forward_config(head_dim: int, dtype: torch.dtype, seqlen_q_bucket: int) -> ForwardConfig:
     block_d = padded_head_dim(head_dim)
     if block_d <= 128:
         # In a 36-config H100 sweep over the seeds/std cases (D = 64 and 128) this was
@@ -55,5 +62,5 @@ def heuristic_forward_config(head_dim: int, dtype: torch.dtype, seqlen_q: int) -
         # Twice the bytes per element: halve the K/V tile so shared memory still fits.
         block_n = max(16, block_n // 2)
     # No point in query tiles longer than the query.
-    block_m = min(config.block_m, max(16, triton.next_power_of_2(seqlen_q)))
+    block_m = min(config.block_m, max(16, seqlen_q_bucket))
     return ForwardConfig(block_m, block_n, config.num_warps, config.num_stages)

@@ -109,8 +109,9 @@ def _run(q, k, v, *, causal_offset, scale, naive: bool, config: ForwardConfig | 
         return out, lse
     if k.shape[2] == 0:  # no keys at all: every row sees nothing
         return out.zero_(), lse.fill_(float("-inf"))
-    device_guard = torch.cuda.device(q.device) if q.device.type == "cuda" else _NULL_CONTEXT
-    with device_guard:
+    # Triton launches on the current device: switch only when q lives elsewhere.
+    needs_guard = q.device.type == "cuda" and q.device.index != torch.cuda.current_device()
+    with torch.cuda.device(q.device) if needs_guard else _NULL_CONTEXT:
         if naive:
             launch_naive(q, k, v, out, lse, causal_offset=causal_offset, scale=scale)
         else:

@@ -19,8 +19,9 @@ from . import metrics
 from .cases import Case
 from .peers import PEERS, PeerUnavailable
 
-# Below this, launch gaps dominate stream timing: replay a CUDA graph instead.
-CUDA_GRAPH_THRESHOLD_MS = 0.05
+# Below this, host-side launch time can show up in stream timing (the GPU waits for
+# the CPU): replay a CUDA graph instead, which measures the GPU alone.
+CUDA_GRAPH_THRESHOLD_MS = 0.2
 # Heads checked against the float64 reference (a (1, 2, Sq, Sk) float64 score matrix).
 CHECK_HEADS = 2
 
