@@ -1,6 +1,20 @@
 #!/usr/bin/env bash
-# GPU correctness run (device): the `gpu`-marked tests, summary written to $1 (default: stdout only).
+# GPU correctness run (device): the `gpu`-marked tests in parallel shards (kernel compilation is
+# CPU-bound, so shards sharing one GPU finish several times sooner). Summary written to $1.
 set -o pipefail
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-out=${1:-/dev/null}
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_forward.py -rfE 2>&1 | tee "$out"
+export PYTHONPATH=src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+out=${1:-/dev/stdout}
+shards=${SHARDS:-6}
+work=$(mktemp -d)
+python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/ | grep '::' > "$work/ids"
+split -n l/"$shards" -d "$work/ids" "$work/shard."
+for ids in "$work"/shard.*; do
+  python3 -m pytest -q -m gpu -p no:cacheprovider --tb=line -rfE $(cat "$ids") > "$ids.log" 2>&1 &
+done
+wait
+{
+  echo "$(wc -l < "$work/ids") gpu tests in $shards shards, $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  for log in "$work"/shard.*.log; do grep -E '^(FAILED|ERROR|E )|^/.*:[0-9]+: |passed|failed|error' "$log"; done
+} | tee "$out"

@@ -13,7 +13,7 @@ import triton
 
 from .config import ForwardConfig, padded_head_dim
 from .kernels.forward import LOG2_E, attention_forward_kernel
-from .kernels.naive import pv_kernel, scores_kernel, softmax_kernel
+from .naive import pv_kernel, scores_kernel, softmax_kernel
 
 try:  # the class triton.jit returns when TRITON_INTERPRET=1 was set at import time
     from triton.runtime.interpreter import InterpretedFunction

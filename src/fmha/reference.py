@@ -103,11 +103,13 @@ def _finish(acc, row_max, row_sum):
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=None,
-                    causal_offset=None, dtype=torch.float64):
+                    causal_offset=None, dtype=torch.float64, max_score_elements=1 << 26):
     """The direct formula in torch, on the inputs' device, computed in ``dtype``.
 
     The float64 ground truth for GPU tests and the benchmark's correctness gate,
     where NumPy on the host would be too slow. Returns ``(out, lse)`` like the others.
+    Query rows go in chunks of at most ``max_score_elements`` scores (512 MiB in float64),
+    so that several test processes can share one GPU.
     """
     group = q.shape[1] // k.shape[1]
     q, k, v = (t.to(dtype) for t in (q, k, v))
@@ -115,11 +117,21 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=
     v = v.repeat_interleave(group, dim=1)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
-    if causal_offset is not None:
-        rows = torch.arange(q.shape[2], device=q.device)[:, None]
-        cols = torch.arange(k.shape[2], device=q.device)[None, :]
-        scores = scores.masked_fill(cols > rows + causal_offset, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
-    return probs @ v, lse
+    batch, heads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
+    rows_per_chunk = max(1, max_score_elements // max(1, batch * heads * seqlen_k))
+    outs, lses = [], []
+    for start in range(0, seqlen_q, rows_per_chunk):
+        q_chunk = q[:, :, start:start + rows_per_chunk]
+        scores = (q_chunk @ k.transpose(-1, -2)) * scale  # [B, H, chunk, Sk]
+        if causal_offset is not None:
+            rows = torch.arange(start, start + q_chunk.shape[2], device=q.device)[:, None]
+            cols = torch.arange(seqlen_k, device=q.device)[None, :]
+            scores = scores.masked_fill(cols > rows + causal_offset, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+        outs.append(probs @ v)
+        lses.append(lse)
+    if not outs:  # Sq == 0
+        return q.new_zeros(batch, heads, 0, v.shape[-1]), q.new_zeros(batch, heads, 0)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
