@@ -1,9 +1,15 @@
-"""The ``fmha`` command. ``fmha info`` for now; bench, tune and report come with their issues."""
+"""The ``fmha`` command: ``info``, ``bench`` and ``report``.
+
+``fmha report`` on a machine without CUDA runs the kernels through Triton's interpreter,
+which must be chosen before triton is imported: the command re-executes itself with
+TRITON_INTERPRET=1 when it was started without it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 
 NO_CUDA_MESSAGE = "no CUDA device: kernels run under the Triton interpreter when TRITON_INTERPRET=1"
@@ -59,14 +65,44 @@ def info_lines() -> list[str]:
     return lines
 
 
+def _add_run_options(parser: argparse.ArgumentParser, default_suites: list[str]) -> None:
+    from fmha.bench.cases import MODES, SUITES
+    from fmha.bench.peers import PEERS
+
+    parser.add_argument("--suite", nargs="*", default=default_suites, choices=sorted(SUITES),
+                        help=f"benchmark suites (default: {' '.join(default_suites)})")
+    parser.add_argument("--shape", action="append", default=[], metavar="B,Hq,Hkv,Sq,Sk,D[,causal]",
+                        help="a custom case; repeat for more")
+    parser.add_argument("--mode", nargs="+", default=["fwd"], choices=MODES,
+                        help="fwd, and fwdbwd (forward + backward) where the provider has a backward")
+    parser.add_argument("--providers", nargs="+", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--memory-check", action="store_true", help="also run S = 131072, B = H = 1, D = 128")
+    parser.add_argument("--out", default="fmha-results", help="output directory (default: fmha-results)")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:
+        import torch
+
+        from fmha.launch import INTERPRETED
+
+        if not torch.cuda.is_available() and not INTERPRETED:
+            env = {**os.environ, "TRITON_INTERPRET": "1"}
+            os.execve(sys.executable, [sys.executable, "-m", "fmha", *argv], env)
     parser = argparse.ArgumentParser(prog="fmha", description="fused multi-head attention in Triton")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="versions, GPU and available peers")
+    _add_run_options(commands.add_parser("bench", help="time fmha and the peers (GPU)"), ["seeds", "std"])
+    _add_run_options(commands.add_parser("report", help="the engineering ladder as report.md + plots"), ["seeds"])
     args = parser.parse_args(argv)
     if args.command == "info":
         print("\n".join(info_lines()))
-    return 0
+        return 0
+    from fmha.report.command import run_bench, run_report
+
+    return run_bench(args) if args.command == "bench" else run_report(args)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,15 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
-                   config: ForwardConfig) -> None:
-    """Fused forward: writes ``out`` (B, Hq, Sq, D) and ``lse`` (B, Hq, Sq) fp32."""
+                   config: ForwardConfig):
+    """Fused forward: writes ``out`` (B, Hq, Sq, D) and ``lse`` (B, Hq, Sq) fp32.
+
+    Returns Triton's compiled kernel (None under the interpreter), for resource reports.
+    """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     grid = (triton.cdiv(seqlen_q, config.block_m) * batch * num_q_heads,)
-    attention_forward_kernel[grid](
+    return attention_forward_kernel[grid](
         q, k, v, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
@@ -50,8 +53,11 @@ NAIVE_BLOCK = 16 if INTERPRETED else 64
 NAIVE_SOFTMAX_BLOCK = 64 if INTERPRETED else 1024
 
 
-def launch_naive(q, k, v, out, lse, *, causal_offset: int | None, scale: float) -> None:
-    """Materialising baseline: S (fp32) and unnormalised P (input dtype) are allocated in full."""
+def launch_naive(q, k, v, out, lse, *, causal_offset: int | None, scale: float) -> list:
+    """Materialising baseline: S (fp32) and unnormalised P (input dtype) are allocated in full.
+
+    Returns the three compiled kernels (None under the interpreter).
+    """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     group_size = num_q_heads // num_kv_heads
@@ -62,23 +68,24 @@ def launch_naive(q, k, v, out, lse, *, causal_offset: int | None, scale: float) 
     probs = torch.empty((batch, num_q_heads, seqlen_q, seqlen_k), device=q.device, dtype=q.dtype)
     inv_row_sum = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
     precision = dot_precision(q.dtype)
-    scores_kernel[(triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block), batch * num_q_heads)](
+    compiled = [scores_kernel[(triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block), batch * num_q_heads)](
         q, k, scores, *q.stride(), *k.stride(),
         num_q_heads, group_size, seqlen_q, seqlen_k,
         0 if causal_offset is None else causal_offset, scale,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block,
         CAUSAL=causal_offset is not None, DOT_PRECISION=precision,
-    )
+    )]
     softmax_block = min(NAIVE_SOFTMAX_BLOCK, triton.next_power_of_2(seqlen_k))
-    softmax_kernel[(batch * num_q_heads * seqlen_q,)](
+    compiled.append(softmax_kernel[(batch * num_q_heads * seqlen_q,)](
         scores, probs, inv_row_sum, lse, seqlen_k, BLOCK_N=softmax_block,
         num_warps=4 if softmax_block >= 512 else 1,
-    )
-    pv_kernel[(triton.cdiv(seqlen_q, block), batch * num_q_heads)](
+    ))
+    compiled.append(pv_kernel[(triton.cdiv(seqlen_q, block), batch * num_q_heads)](
         probs, v, inv_row_sum, out, *v.stride(), *out.stride(),
         num_q_heads, group_size, seqlen_q, seqlen_k,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=precision,
-    )
+    ))
+    return compiled
 
 
 def default_scale(head_dim: int) -> float:

@@ -27,12 +27,14 @@ class Case:
         return asdict(self)
 
 
-def seeds() -> list[Case]:
-    """The seed report's shapes: non-causal forward, (1,16,1024,64) reported per head."""
+def seeds(modes=("fwd",)) -> list[Case]:
+    """The seed report's shapes: non-causal, (1,16,1024,64) reported per head."""
     return [
-        Case(8, 16, 16, 1024, 1024, 64),
-        Case(1, 16, 16, 1024, 1024, 64, per_head=True),
-        Case(16, 16, 16, 2048, 2048, 64),
+        Case(*shape, mode=mode, per_head=per_head)
+        for mode in modes
+        for shape, per_head in (((8, 16, 16, 1024, 1024, 64), False),
+                                ((1, 16, 16, 1024, 1024, 64), True),
+                                ((16, 16, 16, 2048, 2048, 64), False))
     ]
 
 
@@ -48,7 +50,25 @@ def std(modes=("fwd",)) -> list[Case]:
     return cases
 
 
-SUITES = {"seeds": seeds, "std": std}
+def decode(modes=("fwd",)) -> list[Case]:
+    """One query token against an 8k cache, GQA 4: memory-bound, forward only."""
+    return [Case(32, 32, 8, 1, 8192, 128)]
+
+
+SUITES = {"seeds": seeds, "std": std, "decode": decode}
+MODES = ("fwd", "fwdbwd")
+
+
+def suite_cases(suites, modes=("fwd",), shapes=()) -> list[Case]:
+    """The named suites' cases in each mode, then ``--shape`` strings (in each mode)."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    cases = [case for suite in suites for case in SUITES[suite](modes)]
+    for text in shapes:
+        base = parse_shape(text)
+        cases += [Case(**{**base.to_dict(), "mode": mode}) for mode in modes]
+    return cases
 
 
 def parse_shape(text: str) -> Case:

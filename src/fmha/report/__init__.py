@@ -1,0 +1,1 @@
+"""``fmha report``: the engineering ladder and the peers, written as markdown and PNG plots."""

@@ -1,0 +1,26 @@
+"""``fmha report`` on a GPU, at one small custom shape (marker ``gpu``)."""
+
+import json
+
+import pytest
+
+from fmha.bench.runner import validate_results
+from fmha.cli import main
+
+pytestmark = pytest.mark.gpu
+
+
+def test_report_on_gpu_times_the_ladder_and_reads_kernel_resources(tmp_path):
+    args = ["report", "--suite", "--shape", "2,4,2,256,256,64,causal",
+            "--providers", "fmha", "naive", "fmha_tuned", "sdpa_flash", "--out", str(tmp_path)]
+    assert main(args) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    validate_results(payload)
+    rows = {row["provider"]: row for row in payload["rows"]}
+    assert rows["fmha"]["status"] == "ok" and rows["fmha"]["rel_err"] < 2e-2
+    assert rows["naive"]["status"] == "ok" and rows["fmha_tuned"]["status"] == "unavailable"
+    assert rows["fmha"]["method"] in ("do_bench", "cuda_graph") and rows["fmha"]["tflops"] > 0
+    fused = next(k for k in payload["kernels"] if k["step"].startswith("fused"))
+    assert fused["registers"] > 0 and fused["spills"] >= 0 and fused["shared_bytes"] > 0
+    assert payload["chip_limits"]["matmul_tflops"] > 0
+    assert "## Registers and spills" in (tmp_path / "report.md").read_text()
