@@ -81,6 +81,18 @@ def _add_run_options(parser: argparse.ArgumentParser, default_suites: list[str])
     parser.add_argument("--out", default="fmha-results", help="output directory (default: fmha-results)")
 
 
+def _add_tune_options(parser: argparse.ArgumentParser) -> None:
+    from fmha.bench.cases import SUITES
+
+    parser.add_argument("--suite", nargs="*", default=["seeds", "std"], choices=sorted(SUITES))
+    parser.add_argument("--shape", action="append", default=[], metavar="B,Hq,Hkv,Sq,Sk,D[,causal]")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--dry-run", action="store_true", help="list the candidates after pruning, time nothing")
+    parser.add_argument("--write-defaults", metavar="PATH",
+                        help="also merge the winners into a shipped-defaults JSON (for maintainers)")
+    parser.add_argument("--out", default=None, help="directory for tune.json with every candidate's timing")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["report"]:
@@ -96,7 +108,13 @@ def main(argv=None) -> int:
     commands.add_parser("info", help="versions, GPU and available peers")
     _add_run_options(commands.add_parser("bench", help="time fmha and the peers (GPU)"), ["seeds", "std"])
     _add_run_options(commands.add_parser("report", help="the engineering ladder as report.md + plots"), ["seeds"])
+    tune = commands.add_parser("tune", help="search tile configs per key and store the best (GPU)")
+    _add_tune_options(tune)
     args = parser.parse_args(argv)
+    if args.command == "tune":
+        from fmha.tuning.command import run_tune
+
+        return run_tune(args)
     if args.command == "info":
         print("\n".join(info_lines()))
         return 0

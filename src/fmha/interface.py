@@ -33,7 +33,8 @@ import numbers
 
 import torch
 
-from .config import INTERPRETER_FORWARD_CONFIG, ForwardConfig, heuristic_forward_config
+from .config import INTERPRETER_FORWARD_CONFIG, ForwardConfig
+from .tuning.lookup import forward_config
 from .launch import INTERPRETED, default_scale, launch_forward, launch_naive
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -117,7 +118,7 @@ def _run(q, k, v, *, causal_offset, scale, naive: bool, config: ForwardConfig | 
         else:
             if config is None:
                 config = INTERPRETER_FORWARD_CONFIG if INTERPRETED else \
-                    heuristic_forward_config(head_dim, q.dtype, seqlen_q)
+                    forward_config(q, k, causal_offset is not None)
             launch_forward(q, k, v, out, lse, causal_offset=causal_offset, scale=scale, config=config)
     return out, lse
 
@@ -142,7 +143,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, config: Fo
         causal: bottom-right aligned causal mask (query i sees keys j <= i + Sk - Sq).
         scale: score scale, default D**-0.5.
         return_lse: also return the natural-log LSE, float32 (B, Hq, Sq).
-        config: an explicit tile config (the autotuner's); default: chosen per shape.
+        config: an explicit tile config; default: the tuned one for this GPU and shape (the
+            on-disk cache, then the shipped defaults), else a heuristic. See :mod:`fmha.tuning`.
 
     Returns:
         out (B, Hq, Sq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.

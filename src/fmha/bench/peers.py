@@ -46,7 +46,11 @@ def _scores(case: Case) -> int:
 
 
 def _fmha_fused(case, q, k, v):
-    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal), (q, k, v))
+    """Step 3: the fused kernel with the heuristic config, whatever has been tuned."""
+    from fmha.config import heuristic_forward_config
+
+    config = heuristic_forward_config(case.head_dim, q.dtype, case.seqlen_q)
+    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal, config=config), (q, k, v))
 
 
 def _fmha_naive(case, q, k, v):
@@ -60,7 +64,14 @@ def _fmha_naive(case, q, k, v):
 
 
 def _fmha_tuned(case, q, k, v):
-    raise PeerUnavailable("not tuned: the autotuner (step 4) is not built yet")
+    """Step 4: the config the tuner chose (on-disk cache or shipped defaults); never a search."""
+    from fmha.tuning.lookup import explain_forward_config
+
+    config, source = explain_forward_config(q.device, q.dtype, case.head_dim, case.causal, case.q_heads,
+                                            case.kv_heads, case.seqlen_q, case.seqlen_k)
+    if source not in ("cache", "shipped"):
+        raise PeerUnavailable("not tuned: no tuned config for this GPU and shape (run `fmha tune`)")
+    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal, config=config), (q, k, v))
 
 
 def _sdpa(backend_name: str):

@@ -1,0 +1,178 @@
+"""``fmha tune``: search tile configs for a suite's keys, show best vs default vs heuristic, store."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..bench.cases import suite_cases
+from ..config import ForwardConfig, heuristic_forward_config
+from .key import ShapeKey, device_key, gpu_name
+from .lookup import DEFAULTS_FORMAT, SHIPPED_DEFAULTS, shipped_config
+from .space import DEFAULT_SHARED_MEMORY, Problem, all_candidates, prune
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _config_text(config: ForwardConfig | None) -> str:
+    if config is None:
+        return "—"
+    return f"{config.block_m}×{config.block_n} w{config.num_warps} s{config.num_stages}"
+
+
+def keyed_cases(args) -> dict[ShapeKey, object]:
+    """The first case of each tuning key: a batch of 3 and of 4 at the same lengths tune once."""
+    dtype = DTYPES[args.dtype]
+    keyed = {}
+    for case in suite_cases(args.suite, ("fwd",), args.shape):
+        shape = ShapeKey.of("fwd", dtype, case.head_dim, case.causal, case.q_heads, case.kv_heads,
+                            case.seqlen_q, case.seqlen_k)
+        keyed.setdefault(shape, case)
+    return keyed
+
+
+def dry_run(args, console: Console) -> int:
+    dtype = DTYPES[args.dtype]
+    element_size = torch.empty((), dtype=dtype).element_size()
+    shared = (torch.cuda.get_device_properties(0).shared_memory_per_block_optin if torch.cuda.is_available()
+              else DEFAULT_SHARED_MEMORY)
+    for shape, case in keyed_cases(args).items():
+        kept, dropped = prune(all_candidates(), Problem(case.head_dim, element_size, case.seqlen_q, shared))
+        console.print(f"[bold]{shape.text()}[/bold] ({case.label}): {len(kept)} candidates, {len(dropped)} pruned")
+        console.print("  " + ", ".join(_config_text(c) for c in kept))
+        reasons = Counter(_rule_family(reason) for reason in dropped.values())
+        for reason, count in reasons.most_common():
+            console.print(f"  pruned {count:3d}: {reason}")
+    return 0
+
+
+def _rule_family(reason: str) -> str:
+    for marker, family in (("shared memory", "shared memory over the device's limit"),
+                           ("live fp32", "register pressure (would spill)"),
+                           ("query length bucket", "BLOCK_M longer than the query"),
+                           ("rows per warp", "rows per warp outside 16-32"),
+                           ("under-uses the MMA", "BLOCK_M < 64 for a long query")):
+        if marker in reason:
+            return family
+    return reason
+
+
+def run_tune(args) -> int:
+    console = Console()
+    if args.dry_run:
+        return dry_run(args, console)
+    if not torch.cuda.is_available():
+        console.print("fmha tune needs a CUDA GPU; none is visible (`fmha tune --dry-run` lists the candidates).")
+        return 2
+    from . import lookup, store
+    from .search import best_of, measure_candidates, problem_for, winner_record
+
+    dtype = DTYPES[args.dtype]
+    device = torch.device("cuda", torch.cuda.current_device())
+    keyed = keyed_cases(args)
+    plans = {}
+    for shape, case in keyed.items():
+        candidates = prune(all_candidates(), problem_for(device, dtype, case.head_dim, case.seqlen_q))[0]
+        heuristic = heuristic_forward_config(case.head_dim, dtype, case.seqlen_q)
+        default = shipped_config(gpu_name(device), shape)
+        extra = [c for c in (heuristic, default) if c is not None and c not in candidates]
+        plans[shape] = (case, candidates + list(dict.fromkeys(extra)), heuristic, default)
+    total = sum(len(plan[1]) for plan in plans.values())
+    table = Table(title=f"fmha tune ({gpu_name(device)}, {args.dtype})", title_justify="left")
+    for column in ("key", "case", "best", "TFLOP/s", "default", "TFLOP/s ", "heuristic", "TFLOP/s  ",
+                   "best/heuristic", "failed"):
+        table.add_column(column, justify="left" if column in ("key", "case") else "right")
+    records, report = {}, []
+    started = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("left"), TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("tuning", total=total)
+        for shape, (case, candidates, heuristic, default) in plans.items():
+            progress.update(task, description=case.label)
+            results = measure_candidates(case, dtype, candidates, on_result=lambda _: progress.advance(task))
+            by_config = {r["config"]: r for r in results}
+            best = best_of(results)
+            failed = [r for r in results if r["status"] != "ok"]
+            for result in failed:
+                progress.console.print(f"  {shape.text()} {_config_text(result['config'])}: "
+                                       f"{result['status']}: {result.get('error', '')}")
+            heuristic_tflops = by_config.get(heuristic, {}).get("tflops")
+            default_tflops = by_config.get(default, {}).get("tflops") if default else None
+            speedup = best["tflops"] / heuristic_tflops if best and heuristic_tflops else None
+            table.add_row(shape.text(), case.label, _config_text(best and best["config"]),
+                          f"{best['tflops']:.1f}" if best else "—", _config_text(default),
+                          f"{default_tflops:.1f}" if default_tflops else "—", _config_text(heuristic),
+                          f"{heuristic_tflops:.1f}" if heuristic_tflops else "—",
+                          f"{speedup:.2f}×" if speedup else "—", str(len(failed)))
+            progress.console.print(
+                f"{shape.text()}: best {_config_text(best and best['config'])} "
+                f"{best['tflops'] if best else 0:.1f} TFLOP/s, heuristic {_config_text(heuristic)} "
+                f"{heuristic_tflops or 0:.1f}, {len(failed)} failed")
+            if best is not None:
+                records[shape.text()] = winner_record(best)
+            report.append({"key": shape.text(), "case": case.to_dict(), "label": case.label,
+                           "best": _record(best), "heuristic": _record(by_config.get(heuristic)),
+                           "default": _record(by_config.get(default)) if default else None,
+                           "speedup_over_heuristic": speedup,
+                           "candidates": [_record(r) for r in results]})
+            # Saved after every key, so an interrupted sweep keeps what it measured.
+            _save(args, device, records, report, time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    console.print(table)
+    console.print(f"{len(plans)} keys, {total} candidates in {elapsed:.0f} s")
+    _save(args, device, records, report, elapsed)
+    lookup.forget()
+    if records:
+        console.print(f"stored {len(records)} configs in {store.cache_path()}")
+    if args.write_defaults:
+        console.print(f"merged {len(records)} configs into the shipped defaults {args.write_defaults}")
+    if args.out:
+        console.print(f"wrote {Path(args.out) / 'tune.json'}")
+    return 0
+
+
+def _save(args, device, records: dict, report: list, seconds: float) -> None:
+    from ..bench.runner import environment
+    from . import store
+
+    if records:
+        store.store(device_key(device), records)
+        if args.write_defaults:
+            write_defaults(Path(args.write_defaults), gpu_name(device), records)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        payload = {"environment": environment(), "dtype": args.dtype, "suites": args.suite, "seconds": seconds,
+                   "keys": report}
+        (out / "tune.json").write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def _record(result: dict | None) -> dict | None:
+    if result is None:
+        return None
+    return {**{k: v for k, v in result.items() if k != "config"}, "config": result["config"].__dict__}
+
+
+def write_defaults(path: Path, gpu: str, records: dict[str, dict]) -> None:
+    """Merge tuned records into a shipped-defaults file (``src/fmha/tuning/defaults/forward.json``)."""
+    import triton
+
+    from .. import __version__
+
+    data = json.loads(path.read_text()) if path.exists() else {"format": DEFAULTS_FORMAT, "gpus": {}}
+    section = data["gpus"].setdefault(gpu, {"entries": {}})
+    section.update(triton=triton.__version__, fmha=__version__, date=datetime.date.today().isoformat())
+    section["entries"].update(records)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+__all__ = ["run_tune", "SHIPPED_DEFAULTS"]

@@ -1,0 +1,121 @@
+"""Which tile config a call uses: the on-disk cache, then the shipped defaults, then a heuristic.
+
+The answer is memoised per (device, dtype, head dim, causal, GQA ratio, length buckets), so a
+call pays one dict lookup. Nothing is searched implicitly, unless ``FMHA_AUTOTUNE=1``: then a
+key with no cached or shipped config is searched once, on inputs of the call's shape, and stored.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..config import ForwardConfig, heuristic_forward_config
+from . import store
+from .key import ShapeKey, device_key, gpu_name, length_bucket
+from .space import Problem, rule_block_m_within_query
+
+SHIPPED_DEFAULTS = Path(__file__).parent / "defaults" / "forward.json"
+DEFAULTS_FORMAT = "fmha-defaults/1"
+
+_memo: dict[tuple, tuple[ForwardConfig, str]] = {}
+_cache_entries: dict | None = None
+
+
+def forward_config(q: torch.Tensor, k: torch.Tensor, causal: bool) -> ForwardConfig:
+    """The config for this call (hot path: one tuple and one dict lookup when memoised)."""
+    memo_key = (q.device.index, q.dtype, q.shape[3], causal, q.shape[1] // k.shape[1],
+                length_bucket(q.shape[2]), length_bucket(k.shape[2]))
+    found = _memo.get(memo_key)
+    if found is None:
+        found = _memo[memo_key] = _resolve(q.device, q.dtype, q.shape[3], causal, q.shape[1], k.shape[1],
+                                           q.shape[2], k.shape[2], q.shape[0])
+    return found[0]
+
+
+def explain_forward_config(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k,
+                           autotune: bool = False) -> tuple[ForwardConfig, str]:
+    """``(config, source)`` with source ``cache``, ``shipped``, ``autotuned`` or ``heuristic``."""
+    return _resolve(torch.device(device), dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k,
+                    batch=1, autotune=autotune)
+
+
+def _resolve(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k, batch,
+             autotune: bool | None = None) -> tuple[ForwardConfig, str]:
+    shape = ShapeKey.of("fwd", dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k)
+    config = _from_cache(device, shape)
+    if config is not None:
+        return config, "cache"
+    config = shipped_config(gpu_name(device), shape)
+    if config is not None:
+        return config, "shipped"
+    if autotune is None:
+        autotune = os.environ.get("FMHA_AUTOTUNE") == "1"
+    if autotune:
+        from .search import tune_and_store
+
+        config = tune_and_store(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k, batch)
+        if config is not None:
+            return config, "autotuned"
+    return heuristic_forward_config(head_dim, dtype, seqlen_q), "heuristic"
+
+
+def _from_cache(device, shape: ShapeKey) -> ForwardConfig | None:
+    global _cache_entries
+    if _cache_entries is None:
+        _cache_entries = store.load()
+    record = _cache_entries.get(device_key(device), {}).get(shape.text())
+    return store.record_to_config(record) if record else None
+
+
+def forget() -> None:
+    """Drop memoised answers (after the cache file changed)."""
+    global _cache_entries
+    _cache_entries = None
+    _memo.clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_entries(gpu: str) -> dict[ShapeKey, ForwardConfig]:
+    try:
+        data = json.loads(SHIPPED_DEFAULTS.read_text())
+    except (OSError, ValueError):
+        return {}
+    if data.get("format") != DEFAULTS_FORMAT:
+        return {}
+    entries = data.get("gpus", {}).get(gpu, {}).get("entries", {})
+    parsed = {}
+    for text, record in entries.items():
+        config = store.record_to_config(record)
+        if config is not None:
+            parsed[ShapeKey.parse(text)] = config
+    return parsed
+
+
+def shipped_config(gpu: str, shape: ShapeKey) -> ForwardConfig | None:
+    """The shipped config for this key, else the one tuned for the nearest length buckets.
+
+    Nearest: same kernel, dtype, head dim and causality; distance in powers of two of the
+    query and key lengths, then in GQA ratio. A neighbour whose BLOCK_M is longer than this
+    query is not used.
+    """
+    entries = _shipped_entries(gpu)
+    if shape in entries:
+        return entries[shape]
+    same_kind = [key for key in entries if (key.kernel, key.dtype, key.head_dim, key.causal)
+                 == (shape.kernel, shape.dtype, shape.head_dim, shape.causal)]
+    if not same_kind:
+        return None
+
+    def distance(key: ShapeKey) -> tuple:
+        return (abs(key.seqlen_q_bucket.bit_length() - shape.seqlen_q_bucket.bit_length())
+                + abs(key.seqlen_k_bucket.bit_length() - shape.seqlen_k_bucket.bit_length()),
+                abs(key.group - shape.group))
+
+    config = entries[min(same_kind, key=distance)]
+    problem = Problem(shape.head_dim, 2, shape.seqlen_q_bucket)
+    return config if rule_block_m_within_query(config, problem) is None else None

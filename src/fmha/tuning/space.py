@@ -1,0 +1,106 @@
+"""The search space: tile configs for a kernel, pruned by rules that say why.
+
+Each rule takes a candidate and the problem and returns ``None`` (keep) or the reason to
+drop it. ``--dry-run`` prints the survivors; the tests check each rule on its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import triton
+
+from ..config import ForwardConfig, padded_head_dim
+
+BLOCK_M_CHOICES = (16, 32, 64, 128, 256)
+BLOCK_N_CHOICES = (32, 64, 128)
+NUM_WARPS_CHOICES = (1, 4, 8)
+NUM_STAGES_CHOICES = (2, 3, 4)
+# fp32 values one thread may keep live for the accumulator (BLOCK_M x D) and the score and
+# probability tiles (2 x BLOCK_M x BLOCK_N): beyond this the kernel spills (255 registers a thread).
+MAX_LIVE_FP32_PER_THREAD = 192
+THREADS_PER_WARP = 32
+# Hopper's shared memory per block when no device is visible (the CPU, --dry-run).
+DEFAULT_SHARED_MEMORY = 227 * 1024
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What pruning needs to know about a tuning key."""
+
+    head_dim: int
+    element_size: int
+    seqlen_q: int
+    shared_memory: int = DEFAULT_SHARED_MEMORY
+
+
+def shared_memory_bytes(config: ForwardConfig, problem: Problem) -> int:
+    """Q tile, plus K and V tiles for each pipeline stage."""
+    block_d = padded_head_dim(problem.head_dim)
+    q_tile = config.block_m * block_d * problem.element_size
+    kv_tiles = 2 * config.num_stages * config.block_n * block_d * problem.element_size
+    return q_tile + kv_tiles
+
+
+def rule_shared_memory(config: ForwardConfig, problem: Problem) -> str | None:
+    needed = shared_memory_bytes(config, problem)
+    if needed > problem.shared_memory:
+        return f"needs {needed // 1024} KiB of shared memory, the device has {problem.shared_memory // 1024} KiB"
+    return None
+
+
+def rule_register_pressure(config: ForwardConfig, problem: Problem) -> str | None:
+    block_d = padded_head_dim(problem.head_dim)
+    live = config.block_m * (block_d + 2 * config.block_n) // (config.num_warps * THREADS_PER_WARP)
+    if live > MAX_LIVE_FP32_PER_THREAD:
+        return f"{live} live fp32 values per thread at D={problem.head_dim} (limit {MAX_LIVE_FP32_PER_THREAD}): spills"
+    return None
+
+
+def rule_block_m_within_query(config: ForwardConfig, problem: Problem) -> str | None:
+    longest_useful = max(16, triton.next_power_of_2(problem.seqlen_q))
+    if config.block_m > longest_useful:
+        return f"BLOCK_M={config.block_m} exceeds the query length bucket {longest_useful}"
+    return None
+
+
+def rule_rows_per_warp(config: ForwardConfig, problem: Problem) -> str | None:
+    # An MMA instruction gives each warp 16 query rows: fewer leave warps idle, and more than
+    # two such row tiles per warp serialise work that more warps could share.
+    rows = config.block_m // config.num_warps
+    if not 16 <= rows <= 32:
+        return f"BLOCK_M={config.block_m} over {config.num_warps} warps is {rows} rows per warp (want 16-32)"
+    return None
+
+
+def rule_full_mma_rows(config: ForwardConfig, problem: Problem) -> str | None:
+    # A Hopper warpgroup MMA covers 64 rows; shorter tiles only pay off for short queries.
+    if config.block_m < 64 and problem.seqlen_q >= 64:
+        return f"BLOCK_M={config.block_m} < 64 for a query of {problem.seqlen_q} rows under-uses the MMA"
+    return None
+
+
+PRUNING_RULES = (rule_block_m_within_query, rule_full_mma_rows, rule_rows_per_warp, rule_shared_memory,
+                 rule_register_pressure)
+
+
+def all_candidates() -> list[ForwardConfig]:
+    return [ForwardConfig(*values) for values in itertools.product(
+        BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES, NUM_STAGES_CHOICES)]
+
+
+def prune(candidates: list[ForwardConfig], problem: Problem) -> tuple[list[ForwardConfig], dict[ForwardConfig, str]]:
+    """Survivors, and the first reason each dropped candidate failed."""
+    kept, dropped = [], {}
+    for config in candidates:
+        reason = next((r for rule in PRUNING_RULES if (r := rule(config, problem)) is not None), None)
+        if reason is None:
+            kept.append(config)
+        else:
+            dropped[config] = reason
+    return kept, dropped
+
+
+def forward_candidates(problem: Problem) -> list[ForwardConfig]:
+    return prune(all_candidates(), problem)[0]
