@@ -168,3 +168,20 @@ def test_interpreter_pins_one_small_config():
     if not INTERPRETED:
         pytest.skip("CPU interpreter only")
     assert INTERPRETER_FORWARD_CONFIG == ForwardConfig(16, 16, 1, 1)
+
+
+def test_tune_dry_run_lists_pruned_candidates_without_a_gpu(capsys):
+    from fmha.cli import main
+
+    assert main(["tune", "--dry-run", "--suite", "seeds"]) == 0
+    text = capsys.readouterr().out
+    assert "fwd|bfloat16|d64|full|g1|q1024|k1024" in text and "fwd|bfloat16|d64|full|g1|q2048|k2048" in text
+    assert "candidates" in text and "pruned" in text and "128×64 w8 s3" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU message")
+def test_tune_without_gpu_says_so(capsys):
+    from fmha.cli import main
+
+    assert main(["tune", "--suite", "seeds"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
