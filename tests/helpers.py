@@ -67,3 +67,28 @@ def assert_close_to_reference(out, q, k, v, *, causal_offset=None, scale=None, l
             lse_error = (lse.double()[finite] - ref_lse[finite]).abs().max().item()
             assert lse_error <= lse_tol * max(1.0, ref_lse[finite].abs().max().item()), f"LSE error {lse_error:.3g}"
     return error, torch_error
+
+
+def assert_grads_close(grads, q, k, v, dout, *, causal_offset=None, scale=None, atol=None):
+    """The error rule for dq, dk, dv: at most 2x the error of torch's own same-dtype autograd.
+
+    Both are measured against float64 autograd of the same formula; NaN never passes.
+    """
+    def autograd_of(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, _ = dense_attention(*leaves, scale=scale, causal_offset=causal_offset, dtype=dtype)
+        return torch.autograd.grad(out, leaves, dout.to(dtype))
+
+    truth = autograd_of(torch.float64)
+    same_dtype = autograd_of(q.dtype)
+    if atol is None:
+        atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[q.dtype]
+    errors = []
+    for name, got, ref, torch_grad, leaf in zip(("dq", "dk", "dv"), grads, truth, same_dtype, (q, k, v)):
+        assert got.shape == leaf.shape and got.dtype == leaf.dtype, name
+        assert not torch.isnan(got).any(), f"{name} contains NaN"
+        error = (got.double() - ref).abs().max().item() if ref.numel() else 0.0
+        torch_error = (torch_grad.double() - ref).abs().max().item() if ref.numel() else 0.0
+        assert error <= 2 * torch_error + atol, f"{name}: max error {error:.3g} > 2 * torch's {torch_error:.3g} + {atol:g}"
+        errors.append(error)
+    return errors

@@ -86,11 +86,11 @@ def test_config_validation():
         ForwardConfig(block_m=64, block_n=64, num_warps=3, num_stages=2)
 
 
-def test_backward_not_implemented_yet():
+def test_naive_baseline_has_no_backward():
     q, k, v = qkv(dtype=torch.float32)
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match=r"backward pass is not implemented"):
-        fmha.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match=r"naive baseline is forward only"):
+        fmha.naive_attention(q, k, v)
 
 
 @pytest.mark.interpreter

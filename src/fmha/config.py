@@ -33,7 +33,12 @@ class ForwardConfig:
             raise ValueError(f"ForwardConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
+class BackwardConfig(ForwardConfig):
+    """Tiles of the backward kernels: BLOCK_M query rows against BLOCK_N keys."""
+
+
 INTERPRETER_FORWARD_CONFIG = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+INTERPRETER_BACKWARD_CONFIG = BackwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -64,3 +69,16 @@ def _heuristic_forward_config(head_dim: int, dtype: torch.dtype, seqlen_q_bucket
     # No point in query tiles longer than the query.
     block_m = min(config.block_m, max(16, seqlen_q_bucket))
     return ForwardConfig(block_m, block_n, config.num_warps, config.num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def heuristic_backward_config(head_dim: int, dtype: torch.dtype) -> BackwardConfig:
+    """The dK/dV kernel keeps K, V, dK and dV of BLOCK_N keys live: wide heads get small tiles."""
+    block_d = padded_head_dim(head_dim)
+    if dtype == torch.float32:
+        return BackwardConfig(32, 32, 4, 1) if block_d <= 128 else BackwardConfig(16, 16, 4, 1)
+    if block_d <= 64:
+        return BackwardConfig(64, 64, 4, 2)
+    if block_d <= 128:
+        return BackwardConfig(64, 64, 8, 2)
+    return BackwardConfig(32, 32, 4, 1)

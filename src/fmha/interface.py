@@ -16,11 +16,15 @@ Supported
 * Any Sq, Sk >= 1; empty batch, heads or sequences return empty (or zero) results.
 * CUDA tensors, and CPU tensors when ``TRITON_INTERPRET=1`` was set before import
   (the same Triton kernels, run by Triton's interpreter).
-* ``return_lse``: natural-log log-sum-exp, float32, shape (B, Hq, Sq).
+* ``return_lse``: natural-log log-sum-exp, float32, shape (B, Hq, Sq); not differentiable.
+* Backward: ``attention`` and ``scaled_dot_product_attention`` are differentiable in q, k
+  and v (every case above). Gradients are deterministic: no atomics are used.
+* ``torch.compile(fullgraph=True)``: the ops are ``torch.library`` custom ops (``fmha::forward``,
+  ``fmha::backward``) with fake implementations.
 
 Not yet supported (raise ``NotImplementedError``)
 -------------------------------------------------
-* Backward: inputs that require grad while grad mode is on.
+* Gradients of ``naive_attention`` (a forward-only baseline).
 * SDPA ``attn_mask``, ``dropout_p > 0``, a value head dim different from the query's,
   and batch dims that differ between query and key/value (broadcasting).
 * Varlen, KV-cache decode, sliding windows, softcap, ALiBi, dropout, FP8.
@@ -33,9 +37,10 @@ import numbers
 
 import torch
 
-from .config import INTERPRETER_FORWARD_CONFIG, ForwardConfig
-from .tuning.lookup import forward_config
-from .launch import INTERPRETED, default_scale, launch_forward, launch_naive
+from .autograd import differentiable_forward
+from .config import ForwardConfig
+from .launch import INTERPRETED, default_scale
+from .ops import run_forward
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -79,9 +84,6 @@ def _check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
         raise RuntimeError(f"{fn}: {qn} is a CPU tensor, and fmha's kernels run on the GPU. To run them on "
                            "the CPU through Triton's interpreter, set TRITON_INTERPRET=1 before importing "
                            "triton or fmha.")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError(f"{fn}: the backward pass is not implemented yet; call it under "
-                                  "torch.no_grad() or pass detached tensors")
 
 
 def _check_scale(fn: str, scale, head_dim: int) -> float:
@@ -100,38 +102,17 @@ def _check_flag(fn: str, name: str, value) -> bool:
     return value
 
 
-def _run(q, k, v, *, causal_offset, scale, naive: bool, config: ForwardConfig | None):
-    """Allocate outputs, handle empty inputs, launch. Returns (out, lse)."""
-    batch, num_q_heads, seqlen_q, head_dim = q.shape
-    # empty_like keeps q's layout (BSHD stays BSHD) when q is dense.
-    out = torch.empty_like(q)
-    lse = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
-    if out.numel() == 0:
-        return out, lse
-    if k.shape[2] == 0:  # no keys at all: every row sees nothing
-        return out.zero_(), lse.fill_(float("-inf"))
-    # Triton launches on the current device: switch only when q lives elsewhere.
-    needs_guard = q.device.type == "cuda" and q.device.index != torch.cuda.current_device()
-    with torch.cuda.device(q.device) if needs_guard else _NULL_CONTEXT:
-        if naive:
-            launch_naive(q, k, v, out, lse, causal_offset=causal_offset, scale=scale)
-        else:
-            if config is None:
-                config = INTERPRETER_FORWARD_CONFIG if INTERPRETED else \
-                    forward_config(q, k, causal_offset is not None)
-            launch_forward(q, k, v, out, lse, causal_offset=causal_offset, scale=scale, config=config)
-    return out, lse
+def _needs_autograd_op(q, k, v) -> bool:
+    """The custom op (differentiable, traceable) when grads or compilation need it; else launch directly."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return True
+    return torch.compiler.is_compiling()
 
 
-class _NullContext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL_CONTEXT = _NullContext()
+def _forward(q, k, v, *, causal_offset, scale, config):
+    if _needs_autograd_op(q, k, v):
+        return differentiable_forward(q, k, v, causal_offset=causal_offset, scale=scale, config=config)
+    return run_forward(q, k, v, causal_offset=causal_offset, scale=scale, config=config)
 
 
 def attention(q, k, v, *, causal=False, scale=None, return_lse=False, config: ForwardConfig | None = None):
@@ -157,7 +138,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, config: Fo
     if config is not None and not isinstance(config, ForwardConfig):
         raise TypeError(f"{fn}: config must be a fmha.ForwardConfig or None, got {type(config).__name__}")
     offset = k.shape[2] - q.shape[2] if causal else None
-    out, lse = _run(q, k, v, causal_offset=offset, scale=scale, naive=False, config=config)
+    out, lse = _forward(q, k, v, causal_offset=offset, scale=scale, config=config)
     return (out, lse) if return_lse else out
 
 
@@ -172,7 +153,10 @@ def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False):
     _check_flag(fn, "return_lse", return_lse)
     scale = _check_scale(fn, scale, q.shape[3])
     offset = k.shape[2] - q.shape[2] if causal else None
-    out, lse = _run(q, k, v, causal_offset=offset, scale=scale, naive=True, config=None)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError(f"{fn}: the naive baseline is forward only; use fmha.attention for gradients "
+                                  "or call it under torch.no_grad()")
+    out, lse = run_forward(q, k, v, causal_offset=offset, scale=scale, naive=True)
     return (out, lse) if return_lse else out
 
 
@@ -218,5 +202,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"{fn}: query has {q.shape[1]} heads and key {k.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")
     scale = _check_scale(fn, scale, q.shape[3])
-    out, _ = _run(q, k, v, causal_offset=0 if is_causal else None, scale=scale, naive=False, config=None)
+    out, _ = _forward(q, k, v, causal_offset=0 if is_causal else None, scale=scale, config=None)
     return out.reshape(query.shape) if query.ndim != 4 else out

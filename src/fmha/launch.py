@@ -11,7 +11,8 @@ import math
 import torch
 import triton
 
-from .config import ForwardConfig, padded_head_dim
+from .config import BackwardConfig, ForwardConfig, padded_head_dim
+from .kernels.backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel
 from .kernels.forward import LOG2_E, attention_forward_kernel
 from .naive import pv_kernel, scores_kernel, softmax_kernel
 
@@ -46,6 +47,35 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=causal_offset is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, *, causal_offset: int | None, scale: float,
+                    config: BackwardConfig) -> None:
+    """Writes dq, dk, dv (shapes and dtypes of q, k, v) from the forward's out and LSE."""
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    block_d = padded_head_dim(head_dim)
+    delta = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    preprocess_block = 16 if INTERPRETED else 64
+    backward_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_block), batch * num_q_heads)](
+        out, dout, delta, *out.stride(), *dout.stride(), num_q_heads, seqlen_q,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block,
+    )
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                  CAUSAL=causal_offset is not None, DOT_PRECISION=dot_precision(q.dtype),
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    offset = 0 if causal_offset is None else causal_offset
+    group_size = num_q_heads // num_kv_heads
+    backward_dkdv_kernel[(triton.cdiv(seqlen_k, config.block_n), batch * num_kv_heads)](
+        q, k, v, dout, lse, delta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+        num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, offset, scale, scale * LOG2_E, **common,
+    )
+    backward_dq_kernel[(triton.cdiv(seqlen_q, config.block_m), batch * num_q_heads)](
+        q, k, v, dout, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+        num_q_heads, group_size, seqlen_q, seqlen_k, offset, scale, scale * LOG2_E, **common,
     )
 
 

@@ -56,7 +56,7 @@ def decode(modes=("fwd",)) -> list[Case]:
 
 
 SUITES = {"seeds": seeds, "std": std, "decode": decode}
-MODES = ("fwd", "fwdbwd")
+MODES = ("fwd", "bwd", "fwdbwd")
 
 
 def suite_cases(suites, modes=("fwd",), shapes=()) -> list[Case]:

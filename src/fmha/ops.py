@@ -1,0 +1,60 @@
+"""Forward and backward on checked tensors: allocate outputs, handle empty inputs, pick a config, launch."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .config import (
+    INTERPRETER_BACKWARD_CONFIG,
+    INTERPRETER_FORWARD_CONFIG,
+    BackwardConfig,
+    ForwardConfig,
+    heuristic_backward_config,
+)
+from .launch import INTERPRETED, launch_backward, launch_forward, launch_naive
+from .tuning.lookup import forward_config
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def _device_guard(tensor: torch.Tensor):
+    # Triton launches on the current device: switch only when the tensor lives elsewhere.
+    if tensor.device.type == "cuda" and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return _NO_GUARD
+
+
+def run_forward(q, k, v, *, causal_offset: int | None, scale: float, naive: bool = False,
+                config: ForwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(out, lse)``; ``out`` keeps q's layout (BSHD stays BSHD) when q is dense."""
+    batch, num_q_heads, seqlen_q, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[2] == 0:  # no keys at all: every row sees nothing
+        return out.zero_(), lse.fill_(float("-inf"))
+    with _device_guard(q):
+        if naive:
+            launch_naive(q, k, v, out, lse, causal_offset=causal_offset, scale=scale)
+        else:
+            if config is None:
+                config = INTERPRETER_FORWARD_CONFIG if INTERPRETED else forward_config(q, k, causal_offset is not None)
+            launch_forward(q, k, v, out, lse, causal_offset=causal_offset, scale=scale, config=config)
+    return out, lse
+
+
+def run_backward(dout, q, k, v, out, lse, *, causal_offset: int | None, scale: float,
+                 config: BackwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(dq, dk, dv)`` in the dtypes and shapes of q, k and v."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if config is None:
+        config = INTERPRETER_BACKWARD_CONFIG if INTERPRETED else heuristic_backward_config(q.shape[3], q.dtype)
+    with _device_guard(q):
+        launch_backward(q, k, v, out, dout, lse, dq, dk, dv, causal_offset=causal_offset, scale=scale,
+                        config=config)
+    return dq, dk, dv

@@ -1,0 +1,94 @@
+"""Gradients through the interpreter (CPU, fp16/fp32): against float64 autograd of the formula."""
+
+import pytest
+import torch
+
+import fmha
+
+from .helpers import assert_grads_close, random_qkv
+
+pytestmark = pytest.mark.interpreter
+
+DTYPES = [torch.float32, torch.float16]
+SHAPES = [
+    # batch, q heads, kv heads, Sq, Sk, head dim, causal
+    (1, 2, 1, 37, 53, 24, False),   # MQA, lengths not multiples of the tile, D not a power of two
+    (2, 4, 2, 40, 29, 32, True),    # GQA, causal bottom-right with Sq > Sk
+    (1, 2, 2, 29, 61, 16, True),    # causal bottom-right with Sk > Sq
+    (1, 3, 3, 17, 17, 40, False),
+    (1, 2, 2, 1, 33, 8, True),      # one query row
+]
+
+
+def grads_of(out, leaves, generator_seed=0):
+    dout = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(generator_seed))
+    return torch.autograd.grad(out, leaves, dout), dout
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_attention_gradients(dtype, shape):
+    batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal = shape
+    q, k, v = (t.requires_grad_() for t in random_qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype))
+    out = fmha.attention(q, k, v, causal=causal)
+    grads, dout = grads_of(out, (q, k, v))
+    assert_grads_close(grads, q, k, v, dout, causal_offset=seqlen_k - seqlen_q if causal else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sdpa_top_left_causal_gradients_with_bshd_strides_and_scale(dtype):
+    q, k, v = (t.requires_grad_() for t in random_qkv(2, 4, 2, 30, 45, 32, dtype, layout="bshd"))
+    # leaves are BSHD views; gradients come back with the leaves' shapes
+    out = fmha.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    grads, dout = grads_of(out, (q, k, v))
+    assert_grads_close(grads, q, k, v, dout, causal_offset=0, scale=0.3)
+
+
+def test_rows_that_see_no_key_get_zero_finite_gradients():
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 40, 10, 16, torch.float32))
+    out = fmha.attention(q, k, v, causal=True)  # offset -30: rows 0..29 see no key
+    (dq, dk, dv), dout = grads_of(out, (q, k, v))
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert (dq[:, :, :30] == 0).all()
+    assert_grads_close((dq, dk, dv), q, k, v, dout, causal_offset=-30)
+
+
+def test_lse_is_returned_but_not_differentiable():
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 20, 20, 16, torch.float32))
+    out, lse = fmha.attention(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+    assert torch.autograd.grad(out.sum(), q)[0].shape == q.shape
+
+
+def test_expanded_kv_get_summed_gradients():
+    q = torch.randn(1, 4, 20, 16, requires_grad=True)
+    k_one = torch.randn(1, 1, 24, 16, requires_grad=True)
+    v_one = torch.randn(1, 1, 24, 16, requires_grad=True)
+    out = fmha.attention(q, k_one.expand(1, 4, 24, 16), v_one.expand(1, 4, 24, 16))
+    (dk,) = torch.autograd.grad(out.sum(), k_one)
+    reference = fmha.attention(q, k_one, v_one)  # the same keys as MQA
+    (dk_mqa,) = torch.autograd.grad(reference.sum(), k_one)
+    torch.testing.assert_close(dk, dk_mqa, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_are_bitwise_reproducible():
+    q, k, v = (t.requires_grad_() for t in random_qkv(2, 4, 2, 33, 47, 32, torch.float16))
+    runs = []
+    for _ in range(3):
+        out = fmha.attention(q, k, v, causal=True)
+        runs.append(grads_of(out, (q, k, v))[0])
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    def block(q, k, v):
+        return (fmha.attention(q, k, v, causal=True) * 2).sum()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 24, 24, 16, torch.float32))
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    eager = torch.autograd.grad(block(q, k, v), (q, k, v))
+    for got, expected in zip(grads, eager):
+        torch.testing.assert_close(got, expected)
