@@ -34,7 +34,11 @@ class ForwardConfig:
 
 
 class BackwardConfig(ForwardConfig):
-    """Tiles of the backward kernels: BLOCK_M query rows against BLOCK_N keys."""
+    """Tiles of the backward kernels: ``block_n`` resident rows, ``block_m`` streamed rows.
+
+    The dK/dV kernel keeps ``block_n`` keys and streams ``block_m`` queries; the dQ kernel
+    keeps ``block_n`` queries and streams ``block_m`` keys.
+    """
 
 
 INTERPRETER_FORWARD_CONFIG = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)

@@ -62,20 +62,23 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, *, causal_offset: int |
         out, dout, delta, *out.stride(), *dout.stride(), num_q_heads, seqlen_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block,
     )
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                  CAUSAL=causal_offset is not None, DOT_PRECISION=dot_precision(q.dtype),
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal_offset is not None,
+                  DOT_PRECISION=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
     offset = 0 if causal_offset is None else causal_offset
     group_size = num_q_heads // num_kv_heads
+    # Each kernel keeps block_n rows resident (keys for dK/dV, queries for dQ) and streams
+    # block_m rows of the other side past them.
     backward_dkdv_kernel[(triton.cdiv(seqlen_k, config.block_n), batch * num_kv_heads)](
         q, k, v, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-        num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, offset, scale, scale * LOG2_E, **common,
+        num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, offset, scale, scale * LOG2_E,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, **common,
     )
-    backward_dq_kernel[(triton.cdiv(seqlen_q, config.block_m), batch * num_q_heads)](
+    backward_dq_kernel[(triton.cdiv(seqlen_q, config.block_n), batch * num_q_heads)](
         q, k, v, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-        num_q_heads, group_size, seqlen_q, seqlen_k, offset, scale, scale * LOG2_E, **common,
+        num_q_heads, group_size, seqlen_q, seqlen_k, offset, scale, scale * LOG2_E,
+        BLOCK_M=config.block_n, BLOCK_N=config.block_m, **common,
     )
 
 
