@@ -81,8 +81,8 @@ def heuristic_backward_config(head_dim: int, dtype: torch.dtype) -> BackwardConf
     block_d = padded_head_dim(head_dim)
     if dtype == torch.float32:
         return BackwardConfig(32, 32, 4, 1) if block_d <= 128 else BackwardConfig(16, 16, 4, 1)
-    if block_d <= 64:
-        return BackwardConfig(64, 64, 4, 2)
     if block_d <= 128:
-        return BackwardConfig(64, 64, 8, 2)
+        # H100 sweep at D=128 (benchmarks/results/h100_backward_config_sweep.json): 64x64 with
+        # 4 warps and 2 stages was best of 16, at 2.1x the same tiles with 8 warps.
+        return BackwardConfig(64, 64, 4, 2)
     return BackwardConfig(32, 32, 4, 1)
