@@ -71,11 +71,12 @@ def test_expanded_kv_get_summed_gradients():
     torch.testing.assert_close(dk, dk_mqa, rtol=1e-5, atol=1e-5)
 
 
-def test_gradients_are_bitwise_reproducible():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradients_are_bitwise_reproducible(deterministic):
     q, k, v = (t.requires_grad_() for t in random_qkv(2, 4, 2, 33, 47, 32, torch.float16))
     runs = []
     for _ in range(3):
-        out = fmha.attention(q, k, v, causal=True)
+        out = fmha.attention(q, k, v, causal=True, deterministic=deterministic)
         runs.append(grads_of(out, (q, k, v))[0])
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))

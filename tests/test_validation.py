@@ -72,6 +72,7 @@ def test_not_a_tensor(fn):
     (dict(scale=float("nan")), ValueError, r"scale must be finite"),
     (dict(causal=1), TypeError, r"causal must be a bool"),
     (dict(return_lse="yes"), TypeError, r"return_lse must be a bool"),
+    (dict(deterministic=1), TypeError, r"deterministic must be a bool"),
     (dict(config=(64, 64, 4, 3)), TypeError, r"config must be a fmha.ForwardConfig"),
 ])
 def test_keyword_errors(kwargs, error, pattern):

@@ -115,7 +115,8 @@ def _forward(q, k, v, *, causal_offset, scale, config):
     return run_forward(q, k, v, causal_offset=causal_offset, scale=scale, config=config)
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, config: ForwardConfig | None = None):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, deterministic=False,
+              config: ForwardConfig | None = None):
     """Exact fused attention softmax(q k^T * scale) v.
 
     Args:
@@ -123,7 +124,9 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, config: Fo
         k, v: (B, Hkv, Sk, D), same dtype and device, Hq % Hkv == 0.
         causal: bottom-right aligned causal mask (query i sees keys j <= i + Sk - Sq).
         scale: score scale, default D**-0.5.
-        return_lse: also return the natural-log LSE, float32 (B, Hq, Sq).
+        return_lse: also return the natural-log LSE, float32 (B, Hq, Sq); not differentiable.
+        deterministic: require bitwise-reproducible gradients. Accepted for FlashAttention
+            compatibility; the backward never uses atomics, so gradients are reproducible either way.
         config: an explicit tile config; default: the tuned one for this GPU and shape (the
             on-disk cache, then the shipped defaults), else a heuristic. See :mod:`fmha.tuning`.
 
@@ -134,6 +137,7 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, config: Fo
     _check_qkv(fn, q, k, v)
     causal = _check_flag(fn, "causal", causal)
     _check_flag(fn, "return_lse", return_lse)
+    _check_flag(fn, "deterministic", deterministic)
     scale = _check_scale(fn, scale, q.shape[3])
     if config is not None and not isinstance(config, ForwardConfig):
         raise TypeError(f"{fn}: config must be a fmha.ForwardConfig or None, got {type(config).__name__}")
