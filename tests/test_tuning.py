@@ -11,6 +11,7 @@ from fmha.config import ForwardConfig
 from fmha.tuning import lookup, store
 from fmha.tuning.key import ShapeKey, length_bucket
 from fmha.tuning.space import (
+    PRUNING_RULES,
     Problem,
     all_candidates,
     prune,
@@ -83,7 +84,8 @@ def test_every_key_keeps_candidates_and_each_drop_has_a_reason():
             kept, dropped = prune(all_candidates(), Problem(head_dim, 2, seqlen_q))
             assert kept, (head_dim, seqlen_q)
             assert len(kept) + len(dropped) == len(all_candidates())
-            assert all(isinstance(reason, str) and reason for reason in dropped.values())
+            rule_names = {rule.__doc__ for rule in PRUNING_RULES}
+            assert all(rule in rule_names and reason for rule, reason in dropped.values())
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from rich.table import Table
 from ..bench.cases import suite_cases
 from ..config import ForwardConfig, heuristic_forward_config
 from .key import ShapeKey, device_key, gpu_name
-from .lookup import DEFAULTS_FORMAT, SHIPPED_DEFAULTS, shipped_config
+from .lookup import DEFAULTS_FORMAT, shipped_config
 from .space import DEFAULT_SHARED_MEMORY, Problem, all_candidates, prune
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,21 +48,10 @@ def dry_run(args, console: Console) -> int:
         kept, dropped = prune(all_candidates(), Problem(case.head_dim, element_size, case.seqlen_q, shared))
         console.print(f"[bold]{shape.text()}[/bold] ({case.label}): {len(kept)} candidates, {len(dropped)} pruned")
         console.print("  " + ", ".join(_config_text(c) for c in kept))
-        reasons = Counter(_rule_family(reason) for reason in dropped.values())
+        reasons = Counter(rule for rule, _ in dropped.values())
         for reason, count in reasons.most_common():
             console.print(f"  pruned {count:3d}: {reason}")
     return 0
-
-
-def _rule_family(reason: str) -> str:
-    for marker, family in (("shared memory", "shared memory over the device's limit"),
-                           ("live fp32", "register pressure (would spill)"),
-                           ("query length bucket", "BLOCK_M longer than the query"),
-                           ("rows per warp", "rows per warp outside 16-32"),
-                           ("under-uses the MMA", "BLOCK_M < 64 for a long query")):
-        if marker in reason:
-            return family
-    return reason
 
 
 def run_tune(args) -> int:
@@ -174,5 +163,3 @@ def write_defaults(path: Path, gpu: str, records: dict[str, dict]) -> None:
     section["entries"].update(records)
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
-
-__all__ = ["run_tune", "SHIPPED_DEFAULTS"]

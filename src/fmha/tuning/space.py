@@ -1,7 +1,8 @@
 """The search space: tile configs for a kernel, pruned by rules that say why.
 
 Each rule takes a candidate and the problem and returns ``None`` (keep) or the reason to
-drop it. ``--dry-run`` prints the survivors; the tests check each rule on its own.
+drop it; its docstring names the rule. ``--dry-run`` prints the survivors and how many each
+rule dropped; the tests check each rule on its own.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def shared_memory_bytes(config: ForwardConfig, problem: Problem) -> int:
 
 
 def rule_shared_memory(config: ForwardConfig, problem: Problem) -> str | None:
+    """shared memory over the device's limit"""
     needed = shared_memory_bytes(config, problem)
     if needed > problem.shared_memory:
         return f"needs {needed // 1024} KiB of shared memory, the device has {problem.shared_memory // 1024} KiB"
@@ -51,6 +53,7 @@ def rule_shared_memory(config: ForwardConfig, problem: Problem) -> str | None:
 
 
 def rule_register_pressure(config: ForwardConfig, problem: Problem) -> str | None:
+    """register pressure (would spill)"""
     block_d = padded_head_dim(problem.head_dim)
     live = config.block_m * (block_d + 2 * config.block_n) // (config.num_warps * THREADS_PER_WARP)
     if live > MAX_LIVE_FP32_PER_THREAD:
@@ -59,6 +62,7 @@ def rule_register_pressure(config: ForwardConfig, problem: Problem) -> str | Non
 
 
 def rule_block_m_within_query(config: ForwardConfig, problem: Problem) -> str | None:
+    """BLOCK_M longer than the query"""
     longest_useful = max(16, triton.next_power_of_2(problem.seqlen_q))
     if config.block_m > longest_useful:
         return f"BLOCK_M={config.block_m} exceeds the query length bucket {longest_useful}"
@@ -66,6 +70,7 @@ def rule_block_m_within_query(config: ForwardConfig, problem: Problem) -> str | 
 
 
 def rule_rows_per_warp(config: ForwardConfig, problem: Problem) -> str | None:
+    """rows per warp outside 16-32"""
     # An MMA instruction gives each warp 16 query rows: fewer leave warps idle, and more than
     # two such row tiles per warp serialise work that more warps could share.
     rows = config.block_m // config.num_warps
@@ -75,6 +80,7 @@ def rule_rows_per_warp(config: ForwardConfig, problem: Problem) -> str | None:
 
 
 def rule_full_mma_rows(config: ForwardConfig, problem: Problem) -> str | None:
+    """BLOCK_M < 64 for a long query"""
     # A Hopper warpgroup MMA covers 64 rows; shorter tiles only pay off for short queries.
     if config.block_m < 64 and problem.seqlen_q >= 64:
         return f"BLOCK_M={config.block_m} < 64 for a query of {problem.seqlen_q} rows under-uses the MMA"
@@ -90,15 +96,18 @@ def all_candidates() -> list[ForwardConfig]:
         BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES, NUM_STAGES_CHOICES)]
 
 
-def prune(candidates: list[ForwardConfig], problem: Problem) -> tuple[list[ForwardConfig], dict[ForwardConfig, str]]:
-    """Survivors, and the first reason each dropped candidate failed."""
+def prune(candidates: list[ForwardConfig], problem: Problem
+          ) -> tuple[list[ForwardConfig], dict[ForwardConfig, tuple[str, str]]]:
+    """Survivors, and for each dropped candidate the first rule it failed: ``(rule, reason)``."""
     kept, dropped = [], {}
     for config in candidates:
-        reason = next((r for rule in PRUNING_RULES if (r := rule(config, problem)) is not None), None)
-        if reason is None:
-            kept.append(config)
+        for rule in PRUNING_RULES:
+            reason = rule(config, problem)
+            if reason is not None:
+                dropped[config] = (rule.__doc__, reason)
+                break
         else:
-            dropped[config] = reason
+            kept.append(config)
     return kept, dropped
 
 
