@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # GPU correctness run (device): the `gpu`-marked tests in parallel shards (kernel compilation is
-# CPU-bound, so shards sharing one GPU finish several times sooner). Summary written to $1.
+# CPU-bound, so shards sharing one GPU finish several times sooner). Summary written to $1;
+# $2 (optional) limits the run to some test files, e.g. tests/test_gpu_backward.py.
 set -o pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 out=${1:-/dev/stdout}
 shards=${SHARDS:-6}
 work=$(mktemp -d)
-python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/ | grep '::' > "$work/ids"
+python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${2:-tests/} | grep '::' > "$work/ids"
 split -n l/"$shards" -d "$work/ids" "$work/shard."
 for ids in "$work"/shard.*; do
   python3 -m pytest -q -m gpu -p no:cacheprovider --tb=line -rfE $(cat "$ids") > "$ids.log" 2>&1 &
