@@ -10,6 +10,8 @@ import torch
 
 import fmha
 from fmha import ForwardConfig
+from fmha.config import KernelFeatures
+from fmha.launch import launch_forward, tma_compatible
 
 from .helpers import assert_close_to_reference, random_qkv
 
@@ -127,3 +129,35 @@ def test_output_dtype_and_lse_dtype():
     q, k, v = random_qkv(1, 1, 1, 4, 4, 16, torch.float16)
     out, lse = fmha.attention(q, k, v, return_lse=True)
     assert out.dtype == torch.float16 and lse.dtype == torch.float32
+
+
+FEATURES = [KernelFeatures(fused_scale=False), KernelFeatures(), KernelFeatures(tma=True),
+            KernelFeatures(pipeline_qk=True), KernelFeatures(tma=True, pipeline_qk=True),
+            KernelFeatures(persistent=True), KernelFeatures(tma=True, warp_specialize=True)]
+
+
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: "-".join(k for k, v in f.__dict__.items() if v) or "none")
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_features(features, causal):
+    """Every compile-time switch of the forward computes the same function, tails and GQA included."""
+    q, k, v = random_qkv(2, 4, 2, 37, 53, 40, torch.float16)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"))
+    offset = _offset(causal, 37, 53)
+    launch_forward(q, k, v, out, lse, causal_offset=offset, scale=40 ** -0.5,
+                   config=ForwardConfig(32, 16, 1, 1), features=features)
+    assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse)
+
+
+def test_negative_scale_keeps_the_unfolded_path():
+    q, k, v = random_qkv(1, 2, 2, 20, 24, 32, torch.float16)
+    out, lse = fmha.attention(q, k, v, scale=-0.2, return_lse=True)
+    assert_close_to_reference(out, q, k, v, scale=-0.2, lse=lse)
+
+
+def test_tma_needs_aligned_rows():
+    aligned = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    assert tma_compatible(aligned)
+    assert not tma_compatible(torch.randn(1, 2, 8, 17, dtype=torch.float16))  # 34-byte rows
+    assert not tma_compatible(aligned.transpose(2, 3))  # D not contiguous
+    assert not tma_compatible(aligned.expand(1, 2, 8, 64).as_strided((1, 2, 8, 64), (0, 0, 64, 1)))

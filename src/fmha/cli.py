@@ -87,6 +87,8 @@ def _add_tune_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", nargs="*", default=["seeds", "std"], choices=sorted(SUITES))
     parser.add_argument("--shape", action="append", default=[], metavar="B,Hq,Hkv,Sq,Sk,D[,causal]")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "all"],
+                        help="tune the forward, the backward or both (each has its own keys; default: fwd)")
     parser.add_argument("--dry-run", action="store_true", help="list the candidates after pruning, time nothing")
     parser.add_argument("--write-defaults", metavar="PATH",
                         help="also merge the winners into a shipped-defaults JSON (for maintainers)")

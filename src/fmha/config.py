@@ -41,6 +41,21 @@ class BackwardConfig(ForwardConfig):
     """
 
 
+@dataclass(frozen=True)
+class KernelFeatures:
+    """Compile-time choices of the forward kernel beyond its tiles (see fmha.kernels.forward).
+
+    Each is a request: the launcher drops one that a call cannot use (tensor descriptors
+    need 16-byte aligned rows and strides, the folded scale needs scale > 0).
+    """
+
+    tma: bool = False
+    fused_scale: bool = True
+    pipeline_qk: bool = False
+    warp_specialize: bool = False
+    persistent: bool = False
+
+
 INTERPRETER_FORWARD_CONFIG = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 INTERPRETER_BACKWARD_CONFIG = BackwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 

@@ -6,15 +6,21 @@ one device, Hq % Hkv == 0, non-empty) and an explicit tile config.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 
-from .config import BackwardConfig, ForwardConfig, padded_head_dim
+from .config import BackwardConfig, ForwardConfig, KernelFeatures, padded_head_dim
 from .kernels.backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel
 from .kernels.forward import LOG2_E, attention_forward_kernel
 from .naive import pv_kernel, scores_kernel, softmax_kernel
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - triton < 3.4: the forward keeps plain loads
+    TensorDescriptor = None
 
 try:  # the class triton.jit returns when TRITON_INTERPRET=1 was set at import time
     from triton.runtime.interpreter import InterpretedFunction
@@ -29,25 +35,72 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def tma_compatible(tensor: torch.Tensor) -> bool:
+    """Whether a (B, H, S, D) tensor can be described to the bulk tensor copy engine.
+
+    The base and every stride but the last (which must be 1) have to be 16-byte multiples and
+    non-zero; a dimension of size 1 is never stepped, so its stride does not matter.
+    """
+    if tensor.stride(3) != 1 or tensor.data_ptr() % 16:
+        return False
+    item = tensor.element_size()
+    return all(size == 1 or (stride > 0 and stride * item % 16 == 0)
+               for size, stride in zip(tensor.shape[:3], tensor.stride()[:3]))
+
+
+def _descriptor(tensor: torch.Tensor, block_rows: int, block_d: int):
+    strides = list(tensor.stride())
+    for dim in range(3):  # any 16-byte multiple will do for a dimension that is never stepped
+        if tensor.shape[dim] == 1:
+            strides[dim] = 16
+    return TensorDescriptor(tensor, list(tensor.shape), strides, [1, 1, block_rows, block_d])
+
+
 def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
-                   config: ForwardConfig):
+                   config: ForwardConfig, features: KernelFeatures | None = None):
     """Fused forward: writes ``out`` (B, Hq, Sq, D) and ``lse`` (B, Hq, Sq) fp32.
 
     Returns Triton's compiled kernel (None under the interpreter), for resource reports.
     """
+    if features is None:
+        features = DEFAULT_FEATURES
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    grid = (triton.cdiv(seqlen_q, config.block_m) * batch * num_q_heads,)
+    block_d = padded_head_dim(head_dim)
+    use_tma = (features.tma and TensorDescriptor is not None
+               and all(tma_compatible(t) for t in (q, k, v, out)))
+    if use_tma:
+        descriptors = (_descriptor(q, config.block_m, block_d), _descriptor(k, config.block_n, block_d),
+                       _descriptor(v, config.block_n, block_d), _descriptor(out, config.block_m, block_d))
+    else:
+        descriptors = (None, None, None, None)
+    num_tiles = triton.cdiv(seqlen_q, config.block_m) * batch * num_q_heads
+    grid = (min(num_tiles, _resident_programs(q.device)) if features.persistent else num_tiles,)
     return attention_forward_kernel[grid](
-        q, k, v, out, lse,
+        q, k, v, out, lse, *descriptors,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
+        batch * num_q_heads, num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
         0 if causal_offset is None else causal_offset, scale * LOG2_E,
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=causal_offset is not None, DOT_PRECISION=dot_precision(q.dtype),
+        USE_TMA=use_tma, FUSED_SCALE=features.fused_scale and scale > 0,
+        PIPELINE_QK=features.pipeline_qk, WARP_SPECIALIZE=features.warp_specialize, PERSISTENT=features.persistent,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _resident_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per multiprocessor (a few under the interpreter)."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Measured on the H100 (docs/perf.md, "Levers"): only the folded scale pays on every shape;
+# the other switches stay available but off.
+DEFAULT_FEATURES = KernelFeatures()
 
 
 def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, *, causal_offset: int | None, scale: float,

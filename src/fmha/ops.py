@@ -6,15 +6,9 @@ import contextlib
 
 import torch
 
-from .config import (
-    INTERPRETER_BACKWARD_CONFIG,
-    INTERPRETER_FORWARD_CONFIG,
-    BackwardConfig,
-    ForwardConfig,
-    heuristic_backward_config,
-)
+from .config import INTERPRETER_BACKWARD_CONFIG, INTERPRETER_FORWARD_CONFIG, BackwardConfig, ForwardConfig
 from .launch import INTERPRETED, launch_backward, launch_forward, launch_naive
-from .tuning.lookup import forward_config
+from .tuning.lookup import backward_config, forward_config
 
 _NO_GUARD = contextlib.nullcontext()
 
@@ -53,7 +47,7 @@ def run_backward(dout, q, k, v, out, lse, *, causal_offset: int | None, scale: f
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     if config is None:
-        config = INTERPRETER_BACKWARD_CONFIG if INTERPRETED else heuristic_backward_config(q.shape[3], q.dtype)
+        config = INTERPRETER_BACKWARD_CONFIG if INTERPRETED else backward_config(q, k, causal_offset is not None)
     with _device_guard(q):
         launch_backward(q, k, v, out, dout, lse, dq, dk, dv, causal_offset=causal_offset, scale=scale,
                         config=config)

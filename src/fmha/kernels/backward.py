@@ -19,7 +19,7 @@ Causal masking follows the forward: blocks above the diagonal are skipped, block
 import triton
 import triton.language as tl
 
-from .forward import _load_rows
+from .common import _key_range, _load_rows
 
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -225,14 +225,7 @@ def backward_dq_kernel(
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
 
     # Same key ranges as the forward: [0, unmasked_end) unmasked, [unmasked_end, kv_end) masked.
-    first_row = m_block * BLOCK_M
-    if CAUSAL:
-        kv_end = tl.minimum(seqlen_k, first_row + BLOCK_M + causal_offset)
-        unmasked_end = tl.minimum(seqlen_k, first_row + causal_offset + 1)
-    else:
-        kv_end = seqlen_k
-        unmasked_end = seqlen_k
-    unmasked_end = tl.maximum(unmasked_end, 0) // BLOCK_N * BLOCK_N
+    unmasked_end, kv_end = _key_range(m_block * BLOCK_M, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,

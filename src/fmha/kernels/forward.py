@@ -10,93 +10,153 @@ registers and walks K/V in BLOCK_N blocks, never writing the score matrix:
 
 Causality is one integer: query i sees key j iff j <= i + causal_offset
 (Sk - Sq for bottom-right, 0 for top-left).
+
+Compile-time switches (the launcher picks them per device, see ``fmha.config.KernelFeatures``):
+
+* ``USE_TMA``: Q/K/V/O move through (B, H, S, D) tensor descriptors made on the host (Hopper's
+  bulk tensor copies); rows past the end of a sequence and columns past the head dim load as
+  zeros and are never stored;
+* ``FUSED_SCALE``: the row max is taken on raw scores and the scale is folded into the
+  exponent, one FMA per score instead of a multiply and a subtract (needs scale > 0);
+* ``PIPELINE_QK``: in the unmasked loop, Q·Kᵀ of the next block is issued before the
+  softmax of the current one, so the tensor cores and the exp units can overlap;
+* ``WARP_SPECIALIZE``: Triton's producer/consumer warp specialisation of the unmasked loop;
+* ``PERSISTENT``: one program per SM walks the tiles, saving launches and prologues.
 """
 
 import triton
 import triton.language as tl
+
+from .common import _key_range, _load_rows
 
 LOG2_E = 1.4426950408889634
 LN_2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _load_rows(ptrs, rows, num_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASK_ROWS: tl.constexpr):
-    """Load a [rows, BLOCK_D] tile, masking only what can be out of range."""
-    if MASK_ROWS:
-        return tl.load(ptrs, mask=(rows[:, None] < num_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+def _load_kv(ptrs, desc, batch, kv_head, start_n, keys, seqlen_k, offs_d,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+    """One [BLOCK_N, BLOCK_D] block of K or V starting at key ``start_n``."""
+    if USE_TMA:
+        return desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
     else:
-        return tl.load(ptrs)
+        return _load_rows(ptrs, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+
+
+@triton.jit
+def _softmax_update(
+    acc, row_sum, row_max,  # [BLOCK_M, BLOCK_D] f32, [BLOCK_M] f32, [BLOCK_M] f32 (log2 units)
+    raw_scores,  # [BLOCK_M, BLOCK_N] f32, Q·Kᵀ unscaled
+    v,  # [BLOCK_N, BLOCK_D]
+    keys, offs_m, seqlen_k, causal_offset, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr,
+):
+    """Fold one key block into the running max, sum and output accumulator."""
+    if FUSED_SCALE:
+        scores = raw_scores
+    else:
+        scores = raw_scores * qk_scale
+    if MASKED:
+        visible = keys[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= offs_m[:, None] + causal_offset)
+        scores = tl.where(visible, scores, float("-inf"))
+    if FUSED_SCALE:
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)  # [BLOCK_M]
+    else:
+        new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
+    if MASKED:
+        # A row that has seen no key yet keeps max = -inf; subtracting 0 instead
+        # gives exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
+        new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+    else:
+        new_max_safe = new_max
+    if FUSED_SCALE:
+        probs = tl.math.exp2(scores * qk_scale - new_max_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    else:
+        probs = tl.math.exp2(scores - new_max_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    rescale = tl.math.exp2(row_max - new_max_safe)  # [BLOCK_M]
+    row_sum = row_sum * rescale + tl.sum(probs, 1)
+    acc = tl.dot(probs.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
+    return acc, row_sum, new_max
 
 
 @triton.jit
 def _attend_kv_blocks(
-    acc, row_sum, row_max,  # [BLOCK_M, BLOCK_D] f32, [BLOCK_M] f32, [BLOCK_M] f32 (log2 units)
+    acc, row_sum, row_max,
     q,  # [BLOCK_M, BLOCK_D]
-    k_ptrs, v_ptrs,  # [BLOCK_N, BLOCK_D] pointers at key block 0
+    k_ptrs, v_ptrs,  # [BLOCK_N, BLOCK_D] pointers at key block 0 (unused with TMA)
+    k_desc, v_desc, batch, kv_head,  # (B, H, S, D) descriptors of K and V (with TMA)
     stride_kn, stride_vn,
     offs_m, offs_n, offs_d,
     kv_start, kv_end, seqlen_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    for start_n in range(kv_start, kv_end, BLOCK_N):
+    for start_n in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         keys = start_n + offs_n  # [BLOCK_N]
-        k = _load_rows(k_ptrs + start_n * stride_kn, keys, seqlen_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if MASKED:
-            visible = keys[None, :] < seqlen_k
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= offs_m[:, None] + causal_offset)
-            scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
-        if MASKED:
-            # A row that has seen no key yet keeps max = -inf; subtracting 0 instead
-            # gives exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
-            new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        else:
-            new_max_safe = new_max
-        probs = tl.math.exp2(scores - new_max_safe[:, None])  # [BLOCK_M, BLOCK_N]
-        rescale = tl.math.exp2(row_max - new_max_safe)  # [BLOCK_M]
-        row_sum = row_sum * rescale + tl.sum(probs, 1)
-        v = _load_rows(v_ptrs + start_n * stride_vn, keys, seqlen_k, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
-        acc = tl.dot(probs.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
-        row_max = new_max
+        k = _load_kv(k_ptrs + start_n * stride_kn, k_desc, batch, kv_head, start_n, keys, seqlen_k, offs_d,
+                     HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+        raw_scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        v = _load_kv(v_ptrs + start_n * stride_vn, v_desc, batch, kv_head, start_n, keys, seqlen_k, offs_d,
+                     HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+        acc, row_sum, row_max = _softmax_update(
+            acc, row_sum, row_max, raw_scores, v, keys, offs_m, seqlen_k, causal_offset, qk_scale,
+            MASKED, CAUSAL, DOT_PRECISION, FUSED_SCALE)
     return acc, row_sum, row_max
 
 
 @triton.jit
-def attention_forward_kernel(
-    Q, K, V, Out, Lse,
+def _attend_kv_blocks_pipelined(
+    acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head,
+    stride_kn, stride_vn, offs_m, offs_n, offs_d,
+    kv_start, kv_end, seqlen_k, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr,
+):
+    """The unmasked loop with Q·Kᵀ one block ahead of the softmax (kv_end > kv_start)."""
+    k = _load_kv(k_ptrs + kv_start * stride_kn, k_desc, batch, kv_head, kv_start, kv_start + offs_n,
+                 seqlen_k, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA)
+    raw_scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    for start_n in range(kv_start, kv_end - BLOCK_N, BLOCK_N):
+        next_n = start_n + BLOCK_N
+        k = _load_kv(k_ptrs + next_n * stride_kn, k_desc, batch, kv_head, next_n, next_n + offs_n,
+                     seqlen_k, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA)
+        next_scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        v = _load_kv(v_ptrs + start_n * stride_vn, v_desc, batch, kv_head, start_n, start_n + offs_n,
+                     seqlen_k, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA)
+        acc, row_sum, row_max = _softmax_update(
+            acc, row_sum, row_max, raw_scores, v, start_n + offs_n, offs_m, seqlen_k, causal_offset, qk_scale,
+            False, CAUSAL, DOT_PRECISION, FUSED_SCALE)
+        raw_scores = next_scores
+    last_n = kv_end - BLOCK_N
+    v = _load_kv(v_ptrs + last_n * stride_vn, v_desc, batch, kv_head, last_n, last_n + offs_n,
+                 seqlen_k, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA)
+    return _softmax_update(acc, row_sum, row_max, raw_scores, v, last_n + offs_n, offs_m, seqlen_k,
+                           causal_offset, qk_scale, False, CAUSAL, DOT_PRECISION, FUSED_SCALE)
+
+
+@triton.jit
+def _forward_tile(
+    Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
+    batch_head, m_block,
     num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, PIPELINE_QK: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
-    # Query blocks of one head are adjacent program ids so that they share K/V in L2.
-    # Causal blocks run longest first (the last rows see the most keys), so the
-    # short tiles fill the tail of the wave.
-    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
-    pid = tl.program_id(0)
-    batch_head = pid // num_m_blocks
-    m_block = pid % num_m_blocks
-    if CAUSAL:
-        m_block = num_m_blocks - 1 - m_block
     batch = batch_head // num_q_heads
     head = batch_head % num_q_heads
     kv_head = head // group_size
-
-    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -104,33 +164,38 @@ def attention_forward_kernel(
     row_in_range = offs_m[:, None] < seqlen_q
     d_in_range = offs_d[None, :] < HEAD_DIM
 
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_in_range & d_in_range, other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    if USE_TMA:
+        q = q_desc.load([batch, head, m_block * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=row_in_range & d_in_range, other=0.0)  # [BLOCK_M, BLOCK_D]
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # [BLOCK_N, BLOCK_D]
     v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
 
-    # Key range of this block: [0, unmasked_end) needs no mask for any row,
-    # [unmasked_end, kv_end) is masked, the rest is above the diagonal and skipped.
-    first_row = m_block * BLOCK_M
-    if CAUSAL:
-        kv_end = tl.minimum(seqlen_k, first_row + BLOCK_M + causal_offset)
-        unmasked_end = tl.minimum(seqlen_k, first_row + causal_offset + 1)
-    else:
-        kv_end = seqlen_k
-        unmasked_end = seqlen_k
-    unmasked_end = tl.maximum(unmasked_end, 0) // BLOCK_N * BLOCK_N
+    unmasked_end, kv_end = _key_range(m_block * BLOCK_M, seqlen_k, causal_offset, BLOCK_M, BLOCK_N, CAUSAL)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if PIPELINE_QK:
+        if unmasked_end > 0:
+            acc, row_sum, row_max = _attend_kv_blocks_pipelined(
+                acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head,
+                stride_kn, stride_vn, offs_m, offs_n, offs_d, 0, unmasked_end, seqlen_k, causal_offset, qk_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOT_PRECISION, USE_TMA, FUSED_SCALE)
+    else:
+        acc, row_sum, row_max = _attend_kv_blocks(
+            acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
+            offs_m, offs_n, offs_d, 0, unmasked_end, seqlen_k, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT_PRECISION, USE_TMA, FUSED_SCALE, WARP_SPECIALIZE)
     acc, row_sum, row_max = _attend_kv_blocks(
-        acc, row_sum, row_max, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, 0, unmasked_end, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT_PRECISION)
-    acc, row_sum, row_max = _attend_kv_blocks(
-        acc, row_sum, row_max, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
         offs_m, offs_n, offs_d, unmasked_end, kv_end, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION)
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION, USE_TMA, FUSED_SCALE, False)
 
     # Rows that saw no key: output 0 and LSE -inf, never 0/0.
     seen = row_sum > 0.0
@@ -138,7 +203,62 @@ def attention_forward_kernel(
     out = acc / row_sum_safe[:, None]
     lse = tl.where(seen, (row_max + tl.math.log2(row_sum_safe)) * LN_2, float("-inf"))
 
-    o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-             out.to(Out.dtype.element_ty), mask=row_in_range & d_in_range)
+    if USE_TMA:
+        o_desc.store([batch, head, m_block * BLOCK_M, 0],
+                     out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+    else:
+        tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                 out.to(Out.dtype.element_ty), mask=row_in_range & d_in_range)
     tl.store(Lse + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _m_block_of(tile, num_m_blocks, CAUSAL: tl.constexpr):
+    m_block = tile % num_m_blocks
+    if CAUSAL:
+        m_block = num_m_blocks - 1 - m_block
+    return m_block
+
+
+@triton.jit
+def attention_forward_kernel(
+    Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    num_batch_heads, num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, PIPELINE_QK: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # Tile t covers query block t % num_m_blocks of (batch, head) t // num_m_blocks: the query
+    # blocks of one head are adjacent so that they share K/V in L2. Causal blocks run longest
+    # first (the last rows see the most keys), so the short tiles fill the tail of the wave.
+    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), num_m_blocks * num_batch_heads, tl.num_programs(0)):
+            _forward_tile(
+                Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+                stride_qb, stride_qh, stride_qm, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_ob, stride_oh, stride_om, stride_od,
+                tile // num_m_blocks, _m_block_of(tile, num_m_blocks, CAUSAL),
+                num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION,
+                USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE)
+    else:
+        tile = tl.program_id(0)
+        _forward_tile(
+            Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+            stride_qb, stride_qh, stride_qm, stride_qd,
+            stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_ob, stride_oh, stride_om, stride_od,
+            tile // num_m_blocks, _m_block_of(tile, num_m_blocks, CAUSAL),
+            num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, DOT_PRECISION,
+            USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE)

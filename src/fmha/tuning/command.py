@@ -1,4 +1,7 @@
-"""``fmha tune``: search tile configs for a suite's keys, show best vs default vs heuristic, store."""
+"""``fmha tune``: search tile configs for a suite's keys, show best vs default vs heuristic, store.
+
+``--kernel`` picks the forward (``fwd`` keys), the backward (``bwd`` keys) or both.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +17,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..bench.cases import suite_cases
-from ..config import ForwardConfig, heuristic_forward_config
+from ..config import ForwardConfig
 from .key import ShapeKey, device_key, gpu_name
-from .lookup import DEFAULTS_FORMAT, shipped_config
-from .space import DEFAULT_SHARED_MEMORY, Problem, all_candidates, prune
+from .lookup import DEFAULTS_FORMAT, heuristic_config, shipped_config
+from .space import DEFAULT_SHARED_MEMORY, SPACES, Problem
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KERNEL_CHOICES = {"fwd": ("fwd",), "bwd": ("bwd",), "all": ("fwd", "bwd")}
 
 
 def _config_text(config: ForwardConfig | None) -> str:
@@ -29,11 +33,14 @@ def _config_text(config: ForwardConfig | None) -> str:
 
 
 def keyed_cases(args) -> dict[ShapeKey, object]:
-    """The first case of each tuning key: a batch of 3 and of 4 at the same lengths tune once."""
+    """The first case of each tuning key: a batch of 3 and of 4 at the same lengths tune once.
+
+    A case's mode is its key's kernel (``fwd`` or ``bwd``): it says what is timed.
+    """
     dtype = DTYPES[args.dtype]
     keyed = {}
-    for case in suite_cases(args.suite, ("fwd",), args.shape):
-        shape = ShapeKey.of("fwd", dtype, case.head_dim, case.causal, case.q_heads, case.kv_heads,
+    for case in suite_cases(args.suite, KERNEL_CHOICES[args.kernel], args.shape):
+        shape = ShapeKey.of(case.mode, dtype, case.head_dim, case.causal, case.q_heads, case.kv_heads,
                             case.seqlen_q, case.seqlen_k)
         keyed.setdefault(shape, case)
     return keyed
@@ -44,8 +51,12 @@ def dry_run(args, console: Console) -> int:
     element_size = torch.empty((), dtype=dtype).element_size()
     shared = (torch.cuda.get_device_properties(0).shared_memory_per_block_optin if torch.cuda.is_available()
               else DEFAULT_SHARED_MEMORY)
+    if "bwd" in KERNEL_CHOICES[args.kernel]:
+        console.print("tiles read BLOCK_M×BLOCK_N; in the backward BLOCK_N rows are resident, BLOCK_M rows streamed")
     for shape, case in keyed_cases(args).items():
-        kept, dropped = prune(all_candidates(), Problem(case.head_dim, element_size, case.seqlen_q, shared))
+        space = SPACES[shape.kernel]
+        problem = Problem(case.head_dim, element_size, case.seqlen_q, shared, case.seqlen_k)
+        kept, dropped = space.prune(space.all_candidates(), problem)
         console.print(f"[bold]{shape.text()}[/bold] ({case.label}): {len(kept)} candidates, {len(dropped)} pruned")
         console.print("  " + ", ".join(_config_text(c) for c in kept))
         reasons = Counter(rule for rule, _ in dropped.values())
@@ -69,8 +80,9 @@ def run_tune(args) -> int:
     keyed = keyed_cases(args)
     plans = {}
     for shape, case in keyed.items():
-        candidates = prune(all_candidates(), problem_for(device, dtype, case.head_dim, case.seqlen_q))[0]
-        heuristic = heuristic_forward_config(case.head_dim, dtype, case.seqlen_q)
+        candidates = SPACES[shape.kernel].candidates(problem_for(device, dtype, case.head_dim, case.seqlen_q,
+                                                                 case.seqlen_k))
+        heuristic = heuristic_config(shape.kernel, case.head_dim, dtype, case.seqlen_q)
         default = shipped_config(gpu_name(device), shape)
         extra = [c for c in (heuristic, default) if c is not None and c not in candidates]
         plans[shape] = (case, candidates + list(dict.fromkeys(extra)), heuristic, default)
@@ -152,7 +164,10 @@ def _record(result: dict | None) -> dict | None:
 
 
 def write_defaults(path: Path, gpu: str, records: dict[str, dict]) -> None:
-    """Merge tuned records into a shipped-defaults file (``src/fmha/tuning/defaults/forward.json``)."""
+    """Merge tuned records into a shipped-defaults file (``src/fmha/tuning/defaults/forward.json``).
+
+    Entries of other keys (other kernels, other lengths) and other GPUs' sections are kept.
+    """
     import triton
 
     from .. import __version__

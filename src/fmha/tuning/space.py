@@ -1,29 +1,37 @@
-"""The search space: tile configs for a kernel, pruned by rules that say why.
+"""The search spaces: tile configs for each kernel, pruned by rules that say why.
 
 Each rule takes a candidate and the problem and returns ``None`` (keep) or the reason to
 drop it; its docstring names the rule. ``--dry-run`` prints the survivors and how many each
-rule dropped; the tests check each rule on its own.
+rule dropped; the tests check each rule on its own. :data:`SPACES` holds one
+:class:`KernelSpace` per tuning key kernel: ``fwd`` and ``bwd``.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 import triton
 
-from ..config import ForwardConfig, padded_head_dim
+from ..config import BackwardConfig, ForwardConfig, padded_head_dim
 
 BLOCK_M_CHOICES = (16, 32, 64, 128, 256)
 BLOCK_N_CHOICES = (32, 64, 128)
 NUM_WARPS_CHOICES = (1, 4, 8)
 NUM_STAGES_CHOICES = (2, 3, 4)
+# The backward: BLOCK_N rows stay resident (keys in dK/dV, queries in dQ), BLOCK_M rows stream past.
+BACKWARD_BLOCK_M_CHOICES = (16, 32, 64, 128)
+BACKWARD_BLOCK_N_CHOICES = (32, 64, 128)
+BACKWARD_NUM_WARPS_CHOICES = (4, 8)
+BACKWARD_NUM_STAGES_CHOICES = (1, 2, 3)
 # fp32 values one thread may keep live for the accumulator (BLOCK_M x D) and the score and
 # probability tiles (2 x BLOCK_M x BLOCK_N): beyond this the kernel spills (255 registers a thread).
 MAX_LIVE_FP32_PER_THREAD = 192
 THREADS_PER_WARP = 32
 # Hopper's shared memory per block when no device is visible (the CPU, --dry-run).
 DEFAULT_SHARED_MEMORY = 227 * 1024
+LSE_DELTA_BYTES = 2 * 4  # one fp32 LSE and one fp32 delta per streamed query row
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,11 @@ class Problem:
     element_size: int
     seqlen_q: int
     shared_memory: int = DEFAULT_SHARED_MEMORY
+    seqlen_k: int | None = None  # None: as long as the query
+
+    @property
+    def key_length(self) -> int:
+        return self.seqlen_q if self.seqlen_k is None else self.seqlen_k
 
 
 def shared_memory_bytes(config: ForwardConfig, problem: Problem) -> int:
@@ -91,17 +104,60 @@ PRUNING_RULES = (rule_block_m_within_query, rule_full_mma_rows, rule_rows_per_wa
                  rule_register_pressure)
 
 
-def all_candidates() -> list[ForwardConfig]:
-    return [ForwardConfig(*values) for values in itertools.product(
-        BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES, NUM_STAGES_CHOICES)]
+def backward_shared_memory_bytes(config: BackwardConfig, problem: Problem) -> int:
+    """The dK/dV kernel: K and V tiles resident, Q and dO tiles with their LSE and delta per stage.
+
+    The dQ kernel swaps the roles (Q and dO resident, K and V streamed) and streams no row
+    statistics, so this also bounds it.
+    """
+    block_d = padded_head_dim(problem.head_dim)
+    resident = 2 * config.block_n * block_d * problem.element_size
+    streamed = config.num_stages * config.block_m * (2 * block_d * problem.element_size + LSE_DELTA_BYTES)
+    return resident + streamed
 
 
-def prune(candidates: list[ForwardConfig], problem: Problem
+def rule_backward_shared_memory(config: BackwardConfig, problem: Problem) -> str | None:
+    """shared memory over the device's limit"""
+    needed = backward_shared_memory_bytes(config, problem)
+    if needed > problem.shared_memory:
+        return f"needs {needed // 1024} KiB of shared memory, the device has {problem.shared_memory // 1024} KiB"
+    return None
+
+
+def rule_backward_register_pressure(config: BackwardConfig, problem: Problem) -> str | None:
+    """register pressure (would spill)"""
+    # The forward's bound with two accumulators: dK and dV (BLOCK_N x D each) live for the whole
+    # kernel, next to two transient BLOCK_N x BLOCK_M tiles (P and dP, then dS).
+    block_d = padded_head_dim(problem.head_dim)
+    live = 2 * config.block_n * (block_d + config.block_m) // (config.num_warps * THREADS_PER_WARP)
+    if live > MAX_LIVE_FP32_PER_THREAD:
+        return f"{live} live fp32 values per thread at D={problem.head_dim} (limit {MAX_LIVE_FP32_PER_THREAD}): spills"
+    return None
+
+
+def rule_backward_tiles_within_sequences(config: BackwardConfig, problem: Problem) -> str | None:
+    """backward tile longer than its sequence"""
+    # Bounds follow the dK/dV kernel (four of the backward's seven matmuls): BLOCK_N covers keys,
+    # BLOCK_M queries. The smallest choice always passes, so short sequences keep candidates.
+    longest_keys = max(BACKWARD_BLOCK_N_CHOICES[0], triton.next_power_of_2(problem.key_length))
+    longest_queries = max(BACKWARD_BLOCK_M_CHOICES[0], triton.next_power_of_2(problem.seqlen_q))
+    if config.block_n > longest_keys:
+        return f"BLOCK_N={config.block_n} exceeds the key length bucket {longest_keys}"
+    if config.block_m > longest_queries:
+        return f"BLOCK_M={config.block_m} exceeds the query length bucket {longest_queries}"
+    return None
+
+
+BACKWARD_PRUNING_RULES = (rule_backward_tiles_within_sequences, rule_backward_shared_memory,
+                          rule_backward_register_pressure)
+
+
+def prune(candidates: list[ForwardConfig], problem: Problem, rules=PRUNING_RULES
           ) -> tuple[list[ForwardConfig], dict[ForwardConfig, tuple[str, str]]]:
     """Survivors, and for each dropped candidate the first rule it failed: ``(rule, reason)``."""
     kept, dropped = [], {}
     for config in candidates:
-        for rule in PRUNING_RULES:
+        for rule in rules:
             reason = rule(config, problem)
             if reason is not None:
                 dropped[config] = (rule.__doc__, reason)
@@ -111,5 +167,42 @@ def prune(candidates: list[ForwardConfig], problem: Problem
     return kept, dropped
 
 
-def forward_candidates(problem: Problem) -> list[ForwardConfig]:
-    return prune(all_candidates(), problem)[0]
+Rule = Callable[[ForwardConfig, Problem], str | None]
+
+
+@dataclass(frozen=True)
+class KernelSpace:
+    """What the tuner knows about one kernel: its config class, the choices and the rules."""
+
+    config_class: type[ForwardConfig]
+    block_m: tuple[int, ...]
+    block_n: tuple[int, ...]
+    num_warps: tuple[int, ...]
+    num_stages: tuple[int, ...]
+    rules: tuple[Rule, ...]
+    # What a shipped config tuned for other lengths must pass to be used for this key.
+    fits_lengths: Rule
+
+    def all_candidates(self) -> list[ForwardConfig]:
+        return [self.config_class(*values) for values in itertools.product(
+            self.block_m, self.block_n, self.num_warps, self.num_stages)]
+
+    def prune(self, candidates: list[ForwardConfig], problem: Problem):
+        return prune(candidates, problem, self.rules)
+
+    def candidates(self, problem: Problem) -> list[ForwardConfig]:
+        return self.prune(self.all_candidates(), problem)[0]
+
+
+SPACES = {
+    "fwd": KernelSpace(ForwardConfig, BLOCK_M_CHOICES, BLOCK_N_CHOICES, NUM_WARPS_CHOICES, NUM_STAGES_CHOICES,
+                       PRUNING_RULES, rule_block_m_within_query),
+    "bwd": KernelSpace(BackwardConfig, BACKWARD_BLOCK_M_CHOICES, BACKWARD_BLOCK_N_CHOICES,
+                       BACKWARD_NUM_WARPS_CHOICES, BACKWARD_NUM_STAGES_CHOICES, BACKWARD_PRUNING_RULES,
+                       rule_backward_tiles_within_sequences),
+}
+
+
+def all_candidates() -> list[ForwardConfig]:
+    """The forward's whole space."""
+    return SPACES["fwd"].all_candidates()

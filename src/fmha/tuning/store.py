@@ -33,10 +33,14 @@ def config_to_record(config: ForwardConfig, **measured) -> dict:
             "num_stages": config.num_stages, **measured}
 
 
-def record_to_config(record: dict) -> ForwardConfig | None:
+def record_to_config(record: dict, config_class: type[ForwardConfig] = ForwardConfig) -> ForwardConfig | None:
+    """The config of a record (``BackwardConfig`` for ``bwd`` keys); ``None`` when it is incomplete or invalid.
+
+    Fields other than the tile sizes (how it was measured) are ignored.
+    """
     try:
-        return ForwardConfig(int(record["block_m"]), int(record["block_n"]), int(record["num_warps"]),
-                             int(record["num_stages"]))
+        return config_class(int(record["block_m"]), int(record["block_n"]), int(record["num_warps"]),
+                            int(record["num_stages"]))
     except (KeyError, TypeError, ValueError):
         return None
 
