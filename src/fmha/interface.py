@@ -46,8 +46,32 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
+def _valid_qkv(q, k, v) -> bool:
+    """The common case in one pass (the detailed checks below only run when this fails)."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor):
+        return False
+    dtype = q.dtype
+    if k.dtype is not dtype or v.dtype is not dtype or dtype not in SUPPORTED_DTYPES:
+        return False
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    if not (len(q_shape) == len(k_shape) == len(v_shape) == 4) or k_shape != v_shape:
+        return False
+    batch, q_heads, _, head_dim = q_shape
+    kv_heads = k_shape[1]
+    if k_shape[0] != batch or k_shape[3] != head_dim or not 1 <= head_dim <= MAX_HEAD_DIM:
+        return False
+    if not kv_heads or q_heads % kv_heads:
+        return False
+    device = q.device
+    if device.type != "cuda" and not INTERPRETED:
+        return False
+    return k.device == device and v.device == device
+
+
 def _check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
     """Raise TypeError/ValueError naming the argument; runs before any launch."""
+    if _valid_qkv(q, k, v):
+        return
     for name, tensor in zip(names, (q, k, v)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
