@@ -38,6 +38,7 @@ def variants(head_dim):
     if head_dim > 128:
         return
     for config in [ForwardConfig(128, 128, 8, 3), ForwardConfig(64, 64, 4, 3), ForwardConfig(64, 128, 4, 3)]:
+        yield f"fused_scale {_tiles(config)}", FUSED, config
         yield f"tma {_tiles(config)}", TMA, config
     for config in [ForwardConfig(128, 64, 4, 2), ForwardConfig(128, 64, 4, 3), ForwardConfig(128, 128, 4, 2),
                    ForwardConfig(128, 128, 8, 3), ForwardConfig(64, 64, 4, 3),

@@ -51,3 +51,12 @@ def test_backward_autotune_searches_a_missing_key_once_and_stores_it(tmp_path, m
     assert source == "cache" and config == store.record_to_config(entries[shape.text()], BackwardConfig)
     assert isinstance(config, BackwardConfig)
     lookup.forget()
+
+
+def test_underfilled_grid_gets_narrow_query_tiles():
+    from fmha.tuning.lookup import UNDERFILLED_GRID_CONFIG, forward_config
+
+    small = torch.empty(1, 16, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    large = torch.empty(8, 16, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    assert forward_config(small, small, False) == UNDERFILLED_GRID_CONFIG
+    assert forward_config(large, large, False) != UNDERFILLED_GRID_CONFIG

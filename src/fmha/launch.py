@@ -63,7 +63,7 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
     Returns Triton's compiled kernel (None under the interpreter), for resource reports.
     """
     if features is None:
-        features = DEFAULT_FEATURES
+        features = features_for(q.device, head_dim)
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     block_d = padded_head_dim(head_dim)
@@ -98,9 +98,21 @@ def _resident_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Measured on the H100 (docs/perf.md, "Levers"): only the folded scale pays on every shape;
-# the other switches stay available but off.
+# Measured on the H100 (docs/perf.md, "Levers"): the folded scale pays on every shape; tensor
+# descriptors pay for head dims up to 64 and cost a little at 128; QK pipelining, the persistent
+# grid and Triton's warp specialisation lost or did not compile, so they stay off.
 DEFAULT_FEATURES = KernelFeatures()
+HOPPER_NARROW_HEAD_FEATURES = KernelFeatures(tma=True)
+
+
+@functools.lru_cache(maxsize=None)
+def features_for(device: torch.device, head_dim: int) -> KernelFeatures:
+    """The forward's switches for a device and head dim (Hopper features from compute capability 9)."""
+    if INTERPRETED or device.type != "cuda":
+        return DEFAULT_FEATURES
+    if torch.cuda.get_device_capability(device)[0] == 9 and padded_head_dim(head_dim) <= 64:
+        return HOPPER_NARROW_HEAD_FEATURES
+    return DEFAULT_FEATURES
 
 
 def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, *, causal_offset: int | None, scale: float,

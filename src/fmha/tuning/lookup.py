@@ -29,9 +29,25 @@ _memo: dict[tuple, tuple[ForwardConfig, str]] = {}
 _cache_entries: dict | None = None
 
 
+# Tuned tiles assume the grid fills the GPU. When 128-row query tiles would leave
+# multiprocessors idle, narrow heads run 64-row tiles that walk 128 keys at a time instead:
+# (1, 16, 1024, 64) on the H100, 267 -> 309 TFLOP/s (docs/perf.md, "Small shapes").
+UNDERFILLED_GRID_CONFIG = ForwardConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
+
+
 def forward_config(q: torch.Tensor, k: torch.Tensor, causal: bool) -> ForwardConfig:
     """The forward's config for this call (hot path: one tuple and one dict lookup when memoised)."""
-    return _config("fwd", q, k, causal)
+    config = _config("fwd", q, k, causal)
+    if config.block_m >= 128 and q.shape[3] <= 64 and q.element_size() == 2 and q.is_cuda:
+        tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // config.block_m)
+        if tiles < _multiprocessors(q.device.index):
+            return UNDERFILLED_GRID_CONFIG
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index if device_index is not None else 0).multi_processor_count
 
 
 def backward_config(q: torch.Tensor, k: torch.Tensor, causal: bool) -> BackwardConfig:
