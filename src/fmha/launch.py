@@ -62,9 +62,9 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
 
     Returns Triton's compiled kernel (None under the interpreter), for resource reports.
     """
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
     if features is None:
         features = features_for(q.device, head_dim)
-    batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     block_d = padded_head_dim(head_dim)
     use_tma = (features.tma and TensorDescriptor is not None
