@@ -64,7 +64,7 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
     """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     if features is None:
-        features = features_for(q.device, head_dim)
+        features = DEFAULT_FEATURES
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     block_d = padded_head_dim(head_dim)
     use_tma = (features.tma and TensorDescriptor is not None
@@ -98,21 +98,11 @@ def _resident_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Measured on the H100 (docs/perf.md, "Levers"): the folded scale pays on every shape; tensor
-# descriptors pay for head dims up to 64 and cost a little at 128; QK pipelining, the persistent
-# grid and Triton's warp specialisation lost or did not compile, so they stay off.
+# Measured on the H100 (docs/perf.md, "Levers"): the folded scale pays on every shape. Tensor
+# descriptors gain 1-4% of GPU time for head dims up to 64 but cost about 130 us of host time per
+# launch (made and encoded on the host), so they stay off, as do QK pipelining, the persistent
+# grid and Triton's warp specialisation, which lost or did not compile.
 DEFAULT_FEATURES = KernelFeatures()
-HOPPER_NARROW_HEAD_FEATURES = KernelFeatures(tma=True)
-
-
-@functools.lru_cache(maxsize=None)
-def features_for(device: torch.device, head_dim: int) -> KernelFeatures:
-    """The forward's switches for a device and head dim (Hopper features from compute capability 9)."""
-    if INTERPRETED or device.type != "cuda":
-        return DEFAULT_FEATURES
-    if torch.cuda.get_device_capability(device)[0] == 9 and padded_head_dim(head_dim) <= 64:
-        return HOPPER_NARROW_HEAD_FEATURES
-    return DEFAULT_FEATURES
 
 
 def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, *, causal_offset: int | None, scale: float,
