@@ -64,14 +64,15 @@ def _fmha_naive(case, q, k, v):
 
 
 def _fmha_tuned(case, q, k, v):
-    """Step 4: the config the tuner chose (on-disk cache or shipped defaults); never a search."""
+    """Step 4: what ``fmha.attention`` runs by default: the tuned config (on-disk cache or shipped
+    defaults, never a search), narrowed when its grid would not fill the GPU."""
     from fmha.tuning.lookup import explain_forward_config
 
     config, source = explain_forward_config(q.device, q.dtype, case.head_dim, case.causal, case.q_heads,
                                             case.kv_heads, case.seqlen_q, case.seqlen_k)
     if source not in ("cache", "shipped"):
         raise PeerUnavailable("not tuned: no tuned config for this GPU and shape (run `fmha tune`)")
-    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal, config=config), (q, k, v))
+    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal), (q, k, v))
 
 
 def _sdpa(backend_name: str):
