@@ -29,6 +29,14 @@ except ImportError:  # pragma: no cover - very old triton
 
 INTERPRETED = isinstance(attention_forward_kernel, InterpretedFunction)
 
+try:  # Gluon (Triton >= 3.5): the warp-specialised Hopper forward
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    from .kernels.forward_hopper import attention_forward_hopper_kernel
+except ImportError:  # pragma: no cover - older triton: the portable kernel runs everywhere
+    attention_forward_hopper_kernel = None
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get exact fp32 products, like PyTorch's default matmul (no TF32).
@@ -54,6 +62,60 @@ def _descriptor(tensor: torch.Tensor, block_rows: int, block_d: int):
         if tensor.shape[dim] == 1:
             strides[dim] = 16
     return TensorDescriptor(tensor, list(tensor.shape), strides, [1, 1, block_rows, block_d])
+
+
+HOPPER_CONSUMER_ROWS = 64
+
+
+def hopper_forward_applies(q, k, v, out, scale: float) -> bool:
+    """Whether the warp-specialised Gluon forward can run this call.
+
+    It needs a Hopper GPU (sm_90), 16-bit inputs, a head dim of 64 or 128, a positive scale
+    (the scale is folded into exp2 after the row max) and tensors the bulk copy engine can
+    address (``tma_compatible``).
+    """
+    return (attention_forward_hopper_kernel is not None and not INTERPRETED
+            and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[3] in (64, 128) and scale > 0
+            and _compute_capability(q.device)[0] == 9
+            and all(tma_compatible(t) for t in (q, k, v, out)))
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, head_dim], element)
+
+
+def _hopper_descriptor(tensor: torch.Tensor, block_rows: int):
+    strides = list(tensor.stride())
+    for dim in range(3):
+        if tensor.shape[dim] == 1:
+            strides[dim] = 16
+    head_dim = tensor.shape[3]
+    return GluonTensorDescriptor(tensor, list(tensor.shape), strides, [1, 1, block_rows, head_dim],
+                                 _hopper_layout(block_rows, head_dim, tensor.dtype))
+
+
+def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
+                          block_n: int = 128, stages: int = 2):
+    """The Gluon forward (see :func:`hopper_forward_applies`); same outputs as :func:`launch_forward`."""
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    grid = (triton.cdiv(seqlen_q, 2 * HOPPER_CONSUMER_ROWS) * batch * num_q_heads,)
+    return attention_forward_hopper_kernel[grid](
+        _hopper_descriptor(q, HOPPER_CONSUMER_ROWS), _hopper_descriptor(k, block_n),
+        _hopper_descriptor(v, block_n), _hopper_descriptor(out, HOPPER_CONSUMER_ROWS), lse,
+        num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
+        0 if causal_offset is None else causal_offset, scale * LOG2_E,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal_offset is not None,
+        num_warps=4,
+    )
 
 
 def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
