@@ -33,9 +33,11 @@ def check_correctness(variants):
         (2, 4, 2, 1, 1, 64, "bhsd"), (2, 4, 4, 17, 17, 128, "bhsd"), (1, 8, 2, 1000, 1000, 64, "bshd"),
         (1, 4, 1, 1000, 17, 128, "bhsd"), (1, 4, 4, 17, 1000, 128, "bshd"), (2, 2, 2, 300, 257, 64, "bhsd"),
         (1, 2, 2, 4096, 4096, 128, "bhsd"), (1, 4, 2, 129, 4096, 64, "bhsd"),
+        # more tiles than multiprocessors: persistent programs walk several tiles
+        (8, 16, 4, 1000, 1000, 64, "bshd"), (4, 16, 16, 777, 1500, 128, "bhsd"),
     ]
     failures = 0
-    for (batch, hq, hkv, sq, sk, d, layout), causal, dtype, (name, block_n, stages) in itertools.product(
+    for (batch, hq, hkv, sq, sk, d, layout), causal, dtype, (name, block_n, stages, persistent) in itertools.product(
             shapes, [False, True], [torch.bfloat16, torch.float16], variants):
         generator = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
         q, k, v = random_qkv(batch, hq, hkv, sq, sk, d, dtype, device="cuda", layout=layout, generator=generator)
@@ -45,7 +47,7 @@ def check_correctness(variants):
         label = f"{name} {dtype} B{batch} H{hq}/{hkv} {sq}x{sk} D{d} {layout} causal={causal}"
         try:
             launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(d),
-                                  block_n=block_n, stages=stages)
+                                  block_n=block_n, stages=stages, persistent=persistent)
             torch.cuda.synchronize()
             assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)
         except Exception as exc:
@@ -63,9 +65,8 @@ def sdpa(backend, q, k, v, causal):
 
 
 def variants_for(head_dim):
-    if head_dim == 64:
-        return [("gluon n128 s2", 128, 2), ("gluon n128 s3", 128, 3), ("gluon n64 s3", 64, 3)]
-    return [("gluon n128 s2", 128, 2), ("gluon n64 s2", 64, 2), ("gluon n64 s3", 64, 3)]
+    """(name, block_n, stages, persistent)."""
+    return [("gluon n128 s2", 128, 2, False), ("gluon persistent", 128, 2, True)]
 
 
 def main():
@@ -75,7 +76,8 @@ def main():
     args = parser.parse_args()
     payload = {"environment": environment(), "rows": []}
     if not args.skip_check:
-        payload["correctness_failures"] = check_correctness([("n128 s2", 128, 2), ("n64 s3", 64, 3)])
+        payload["correctness_failures"] = check_correctness([("persistent n128", 128, 2, True), ("n64", 64, 2, False),
+                                                           ("persistent n64 s3", 64, 3, True)])
     for case in cases.seeds() + cases.std():
         q, k, v = make_inputs(case, torch.bfloat16)
         offset = case.seqlen_k - case.seqlen_q if case.causal else None
@@ -88,9 +90,10 @@ def main():
         config = heuristic_forward_config(case.head_dim, q.dtype, case.seqlen_q)
         runs["triton"] = (lambda: launch_forward(q, k, v, out, lse, causal_offset=offset, scale=scale,
                                                  config=config), out)
-        for name, block_n, stages in variants_for(case.head_dim):
-            runs[name] = (lambda block_n=block_n, stages=stages: launch_forward_hopper(
-                q, k, v, out, lse, causal_offset=offset, scale=scale, block_n=block_n, stages=stages), out)
+        for name, block_n, stages, persistent in variants_for(case.head_dim):
+            runs[name] = (lambda block_n=block_n, stages=stages, persistent=persistent: launch_forward_hopper(
+                q, k, v, out, lse, causal_offset=offset, scale=scale, block_n=block_n, stages=stages,
+                persistent=persistent), out)
         rows = []
         for name, (run, output) in runs.items():
             row = {"variant": name}

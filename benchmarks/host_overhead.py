@@ -13,7 +13,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 import fmha
 from fmha.config import heuristic_forward_config
-from fmha.launch import launch_forward
+from fmha.launch import hopper_forward_applies, launch_forward, launch_forward_hopper
 
 
 def host_us_per_call(fn, calls=1000):
@@ -37,11 +37,16 @@ def main():
             return scaled_dot_product_attention(q, k, v)
 
     results = {
-        "fmha.attention": host_us_per_call(lambda: fmha.attention(q, k, v)),
+        "fmha.attention (default path)": host_us_per_call(lambda: fmha.attention(q, k, v)),
+        "fmha.attention (portable kernel, explicit config)": host_us_per_call(
+            lambda: fmha.attention(q, k, v, config=config)),
         "launch_forward (no checks, preallocated)": host_us_per_call(
             lambda: launch_forward(q, k, v, out, lse, causal_offset=None, scale=0.125, config=config)),
         "sdpa flash": host_us_per_call(sdpa_flash),
     }
+    if hopper_forward_applies(q, k, v, out, 0.125):
+        results["launch_forward_hopper (no checks, preallocated)"] = host_us_per_call(
+            lambda: launch_forward_hopper(q, k, v, out, lse, causal_offset=None, scale=0.125))
     for name, us in results.items():
         print(f"{name:<45} {us:7.1f} µs per call")
     if len(sys.argv) > 1:

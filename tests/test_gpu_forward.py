@@ -80,3 +80,22 @@ def test_long_sequence_allocates_no_score_matrix():
     from fmha.reference import dense_attention
     ref, _ = dense_attention(q[:, :, tail], k, v, causal_offset=seqlen - 64)
     assert (out[:, :, tail].double() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_hopper_kernel_both_grids(dtype, head_dim, causal, persistent):
+    """The Gluon kernel with a persistent grid (programs walk several tiles) and one program per tile."""
+    from fmha.launch import default_scale, hopper_forward_applies, launch_forward_hopper
+
+    q, k, v = random_qkv(4, 16, 4, 777, 1500, head_dim, dtype, device="cuda", layout="bshd")
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    if not hopper_forward_applies(q, k, v, out, 1.0):
+        pytest.skip("needs an sm_90 GPU")
+    offset = 1500 - 777 if causal else None
+    launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(head_dim),
+                          persistent=persistent)
+    assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)

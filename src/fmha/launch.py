@@ -103,16 +103,21 @@ def _hopper_descriptor(tensor: torch.Tensor, block_rows: int):
 
 
 def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
-                          block_n: int = 128, stages: int = 2):
-    """The Gluon forward (see :func:`hopper_forward_applies`); same outputs as :func:`launch_forward`."""
+                          block_n: int = 128, stages: int = 2, persistent: bool = True):
+    """The Gluon forward (see :func:`hopper_forward_applies`); same outputs as :func:`launch_forward`.
+
+    ``persistent``: one program per multiprocessor walks the tiles (the next tile's loads overlap
+    the current tile's end); otherwise one program per tile.
+    """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    grid = (triton.cdiv(seqlen_q, 2 * HOPPER_CONSUMER_ROWS) * batch * num_q_heads,)
+    num_tiles = triton.cdiv(seqlen_q, 2 * HOPPER_CONSUMER_ROWS) * batch * num_q_heads
+    grid = (min(num_tiles, _resident_programs(q.device)) if persistent else num_tiles,)
     return attention_forward_hopper_kernel[grid](
         _hopper_descriptor(q, HOPPER_CONSUMER_ROWS), _hopper_descriptor(k, block_n),
         _hopper_descriptor(v, block_n), _hopper_descriptor(out, HOPPER_CONSUMER_ROWS), lse,
         num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
-        0 if causal_offset is None else causal_offset, scale * LOG2_E,
+        0 if causal_offset is None else causal_offset, scale * LOG2_E, num_tiles,
         HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal_offset is not None,
         num_warps=4,
     )

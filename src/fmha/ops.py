@@ -7,7 +7,8 @@ import contextlib
 import torch
 
 from .config import INTERPRETER_BACKWARD_CONFIG, INTERPRETER_FORWARD_CONFIG, BackwardConfig, ForwardConfig
-from .launch import INTERPRETED, launch_backward, launch_forward, launch_naive
+from .launch import (INTERPRETED, hopper_forward_applies, launch_backward, launch_forward, launch_forward_hopper,
+                     launch_naive)
 from .tuning.lookup import backward_config, forward_config
 
 _NO_GUARD = contextlib.nullcontext()
@@ -18,6 +19,20 @@ def _device_guard(tensor: torch.Tensor):
     if tensor.device.type == "cuda" and tensor.device.index != torch.cuda.current_device():
         return torch.cuda.device(tensor.device)
     return _NO_GUARD
+
+
+def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> bool | None:
+    """Whether the default path runs the warp-specialised Hopper kernel, and how.
+
+    ``None``: the portable Triton kernel. ``True``/``False``: the Gluon kernel with a persistent
+    grid or one program per tile. Measured on the H100 (docs/perf.md, "The Hopper kernel"): it is
+    ahead at D=128 everywhere and at D=64 without a causal mask; the persistent grid pays without
+    a mask and loses with one (tiles of unequal length, dealt round-robin); at D=64 with a causal
+    mask the portable kernel is as fast or faster.
+    """
+    if not hopper_forward_applies(q, k, v, out, scale) or (causal and q.shape[3] == 64):
+        return None
+    return not causal
 
 
 def run_forward(q, k, v, *, causal_offset: int | None, scale: float, naive: bool = False,
@@ -33,6 +48,9 @@ def run_forward(q, k, v, *, causal_offset: int | None, scale: float, naive: bool
     with _device_guard(q):
         if naive:
             launch_naive(q, k, v, out, lse, causal_offset=causal_offset, scale=scale)
+        elif config is None and (persistent := hopper_forward_plan(
+                q, k, v, out, scale=scale, causal=causal_offset is not None)) is not None:
+            launch_forward_hopper(q, k, v, out, lse, causal_offset=causal_offset, scale=scale, persistent=persistent)
         else:
             if config is None:
                 config = INTERPRETER_FORWARD_CONFIG if INTERPRETED else forward_config(q, k, causal_offset is not None)

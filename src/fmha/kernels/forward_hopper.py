@@ -4,15 +4,18 @@ Same math as :mod:`fmha.kernels.forward` (online softmax in exp2 with the scale 
 causal blocks above the diagonal skipped), scheduled the way cuDNN and FlashAttention-3 do it,
 which Triton's automatic pipeliner does not reach on this chip:
 
-* one CTA owns BLOCK_M = 128 query rows of one (batch, head) and runs three warp partitions:
-  two consumer warpgroups of 64 rows each and one load warp;
+* a CTA walks query tiles of BLOCK_M = 128 rows of one (batch, head) (persistent: as many CTAs
+  as multiprocessors, or one per tile) and runs three warp partitions: two consumer warpgroups
+  of 64 rows each and one load warp;
 * the load warp streams K and V blocks through a ring of STAGES shared-memory slots with
   bulk tensor copies (TMA); each slot has a "ready" barrier (the copy landed) and a "free"
   barrier (both consumers are done with it);
 * each consumer keeps its Q rows in shared memory and its accumulator in registers and
   overlaps its own work: the Q·Kᵀ of block j and the P·V of block j-1 are in flight on the
   tensor cores while it waits, and the softmax of block j runs while P·V of block j-1 finishes;
-* the two consumers run independently, so one's softmax overlaps the other's matrix products.
+* the two consumers run independently, so one's softmax overlaps the other's matrix products;
+* while the consumers finish a tile (last P·V, normalisation, output store), the load warp
+  already fetches the next tile's Q, K and V: the per-tile start-up is hidden.
 
 Rows past the end of a sequence load as zeros and are never stored (the descriptors carry the
 bounds); keys past the end and above the causal diagonal are masked to -inf.
@@ -29,33 +32,77 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
-CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)
+CONSUMER_WARPS = gl.constexpr(4)
+
+
+@gluon.constexpr_function
+def _accumulator_layout(columns):
+    """wgmma accumulator of a consumer: 4 warps x 16 rows, one instruction spans all columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                     instr_shape=[16, columns, 16])
+
+
+@gluon.constexpr_function
+def _operand_layout(columns):
+    """P as the register A operand of the P·V wgmma whose accumulator has ``columns`` columns."""
+    return gl.DotOperandLayout(operand_index=0, parent=_accumulator_layout(columns), k_width=2)
+
+
+@gluon.jit
+def _tile_coordinates(tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Tile t covers query block t % num_m_blocks of (batch, head) t // num_m_blocks: the query
+    blocks of one head are adjacent so that they share K/V in L2. Causal blocks run longest first
+    (the last rows see the most keys), so the short tiles fill the tail of the wave."""
+    batch_head = tile // num_m_blocks
+    m_block = tile % num_m_blocks
+    if CAUSAL:
+        m_block = num_m_blocks - 1 - m_block
+    head = batch_head % num_q_heads
+    first_row = m_block * BLOCK_M
+    if CAUSAL:
+        kv_end = gl.minimum(seqlen_k, first_row + BLOCK_M + causal_offset)
+        unmasked_end = gl.minimum(seqlen_k, first_row + causal_offset + 1)
+    else:
+        kv_end = seqlen_k
+        unmasked_end = seqlen_k
+    num_kv_blocks = gl.cdiv(gl.maximum(kv_end, 0), BLOCK_N)
+    num_unmasked_blocks = gl.maximum(unmasked_end, 0) // BLOCK_N
+    return batch_head // num_q_heads, head, head // group_size, batch_head, first_row, num_kv_blocks, num_unmasked_blocks
 
 
 @gluon.jit
 def _load_partition(
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-    q_ready, k_ready, v_ready, k_free, v_free,
-    batch, head, kv_head, first_row, num_kv_blocks,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+    num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
     consumer_rows: gl.constexpr = q_desc.block_type.shape[2]
-    for consumer in gl.static_range(2):
-        mbarrier.expect(q_ready.index(consumer), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, first_row + consumer * consumer_rows, 0],
-                                        q_ready.index(consumer), q_smem.index(consumer))
-    for block in range(num_kv_blocks):
-        slot = block % STAGES
-        # A free barrier completes once per reuse of its slot; the first pass finds it free.
-        free_phase = ((block // STAGES) & 1) ^ 1
-        mbarrier.wait(k_free.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, block * BLOCK_N, 0],
-                                        k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_free.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, block * BLOCK_N, 0],
-                                        v_ready.index(slot), v_smem.index(slot))
+    ring_position = 0  # K/V blocks loaded so far, over all tiles: slot and phase of the next one
+    tile_count = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
+            tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset, 2 * consumer_rows, BLOCK_N, CAUSAL)
+        for consumer in gl.static_range(2):
+            # A free barrier completes once per use; the first wait finds it free.
+            mbarrier.wait(q_free.index(consumer), (tile_count & 1) ^ 1)
+            mbarrier.expect(q_ready.index(consumer), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, head, first_row + consumer * consumer_rows, 0],
+                                            q_ready.index(consumer), q_smem.index(consumer))
+        for block in range(num_kv_blocks):
+            position = ring_position + block
+            slot = position % STAGES
+            free_phase = ((position // STAGES) & 1) ^ 1
+            mbarrier.wait(k_free.index(slot), free_phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, block * BLOCK_N, 0],
+                                            k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_free.index(slot), free_phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, block * BLOCK_N, 0],
+                                            v_ready.index(slot), v_smem.index(slot))
+        ring_position += num_kv_blocks
+        tile_count += 1
 
 
 @gluon.jit
@@ -93,129 +140,137 @@ def _softmax_any_block(scores, row_max, row_sum, rows, keys, seqlen_k, causal_of
 
 
 @gluon.jit
+def _pipelined_blocks(
+    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+    rows, keys0, ring_position, block_start, block_end, seqlen_k, causal_offset, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+):
+    """Blocks [block_start, block_end) of the tile, each issued with the previous block's P·V."""
+    ROWS: gl.constexpr = q.shape[0]
+    p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
+    o_rows: gl.constexpr = gl.SliceLayout(1, _accumulator_layout(HEAD_DIM))
+    no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=_accumulator_layout(BLOCK_N))
+    for block in range(block_start, block_end):
+        position = ring_position + block
+        slot = position % STAGES
+        prev_slot = (position - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (position // STAGES) & 1)
+        k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+        scores = warpgroup_mma(q, k, no_scores, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev_slot), ((position - 1) // STAGES) & 1)
+        v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
+        p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        # wgmma groups retire in order: this waits for the scores, not for P·V.
+        scores = warpgroup_mma_wait(1, deps=(scores,))
+        mbarrier.arrive(k_free.index(slot), count=1)
+        probs, rescale, row_max, row_sum = _softmax_block(
+            scores, row_max, row_sum, rows, block * BLOCK_N + keys0, seqlen_k, causal_offset, qk_scale,
+            MASKED, CAUSAL)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_free.index(prev_slot), count=1)
+        acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
+    return acc, probs, row_max, row_sum
+
+
+@gluon.jit
 def _consumer_partition(
-    q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-    batch, head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks,
-    seqlen_q, seqlen_k, causal_offset, qk_scale,
+    q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+    num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale,
     CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
     dtype: gl.constexpr = o_desc.dtype
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
-    # wgmma accumulators: 4 warps x 16 rows, one instruction spans the whole N of the product.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _accumulator_layout(BLOCK_N)
+    o_layout: gl.constexpr = _accumulator_layout(HEAD_DIM)
+    p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    row0 = first_row + CONSUMER * ROWS
-    rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
-    row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-    row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-
-    mbarrier.wait(q_ready.index(CONSUMER), 0)
     q = q_smem.index(CONSUMER).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
-
-    if num_kv_blocks > 0:
-        # Block 0: scores and probabilities; its P·V is issued with block 1's Q·Kᵀ.
-        mbarrier.wait(k_ready.index(0), 0)
-        k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
-        scores = warpgroup_mma(q, k, no_scores, use_acc=False, is_async=True)
-        scores = warpgroup_mma_wait(0, deps=(scores,))
-        mbarrier.arrive(k_free.index(0), count=1)
-        probs, rescale, row_max, row_sum = _softmax_any_block(
-            scores, row_max, row_sum, rows, keys0, seqlen_k, causal_offset, qk_scale,
-            num_unmasked_blocks == 0, CAUSAL)
-        for block in range(1, num_kv_blocks):
-            slot = block % STAGES
-            phase = (block // STAGES) & 1
-            prev_slot = (block - 1) % STAGES
-            prev_phase = ((block - 1) // STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
-            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            scores = warpgroup_mma(q, k, no_scores, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev_slot), prev_phase)
-            v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
-            p = gl.convert_layout(probs.to(dtype), p_layout)  # [ROWS, BLOCK_N]
-            acc = warpgroup_mma(p, v, acc, is_async=True)
-            # wgmma groups retire in order: this waits for the scores, not for P·V.
-            scores = warpgroup_mma_wait(1, deps=(scores,))
+    ring_position = 0
+    tile_count = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
+            tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset, 2 * ROWS, BLOCK_N, CAUSAL)
+        row0 = first_row + CONSUMER * ROWS
+        rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
+        row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+        row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        mbarrier.wait(q_ready.index(CONSUMER), tile_count & 1)
+        if num_kv_blocks > 0:
+            # Block 0: scores and probabilities; its P·V is issued with block 1's Q·Kᵀ.
+            slot = ring_position % STAGES
+            mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
+            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+            scores = warpgroup_mma(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
+                                   use_acc=False, is_async=True)
+            scores = warpgroup_mma_wait(0, deps=(scores,))
             mbarrier.arrive(k_free.index(slot), count=1)
             probs, rescale, row_max, row_sum = _softmax_any_block(
-                scores, row_max, row_sum, rows, block * BLOCK_N + keys0, seqlen_k, causal_offset, qk_scale,
-                block >= num_unmasked_blocks, CAUSAL)
+                scores, row_max, row_sum, rows, keys0, seqlen_k, causal_offset, qk_scale,
+                num_unmasked_blocks == 0, CAUSAL)
+            # Blocks wholly visible to every row run without masks; the diagonal and the end of K with.
+            first_masked = gl.maximum(num_unmasked_blocks, 1)
+            acc, probs, row_max, row_sum = _pipelined_blocks(
+                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                rows, keys0, ring_position, 1, first_masked, seqlen_k, causal_offset, qk_scale,
+                HEAD_DIM, BLOCK_N, STAGES, False, CAUSAL)
+            acc, probs, row_max, row_sum = _pipelined_blocks(
+                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                rows, keys0, ring_position, first_masked, num_kv_blocks, seqlen_k, causal_offset, qk_scale,
+                HEAD_DIM, BLOCK_N, STAGES, True, CAUSAL)
+            last = ring_position + num_kv_blocks - 1
+            last_slot = last % STAGES
+            mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
+            v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
+            p = gl.convert_layout(probs.to(dtype), p_layout)
+            acc = warpgroup_mma(p, v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_free.index(prev_slot), count=1)
-            acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
-        last = num_kv_blocks - 1
-        last_slot = last % STAGES
-        mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
-        v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
-        p = gl.convert_layout(probs.to(dtype), p_layout)
-        acc = warpgroup_mma(p, v, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_free.index(last_slot), count=1)
+            mbarrier.arrive(v_free.index(last_slot), count=1)
+        mbarrier.arrive(q_free.index(CONSUMER), count=1)  # the load warp may fetch the next tile's Q
 
-    # Rows that saw no key: output 0 and LSE -inf, never 0/0.
-    seen = row_sum > 0.0
-    row_sum_safe = gl.where(seen, row_sum, 1.0)
-    out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
-    lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
-    gl.store(Lse + batch_head.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-
-    # Q is no longer read: its slot stages the output for the bulk store (clipped to Sq rows).
-    o_smem = q_smem.index(CONSUMER)
-    o_smem.reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], o_smem)
+        # Rows that saw no key: output 0 and LSE -inf, never 0/0.
+        seen = row_sum > 0.0
+        row_sum_safe = gl.where(seen, row_sum, 1.0)
+        out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
+        lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
+        gl.store(Lse + batch_head.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        tma.store_wait(0)  # the previous tile's output has left the staging buffer
+        o_smem.index(CONSUMER).reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], o_smem.index(CONSUMER))
+        ring_position += num_kv_blocks
+        tile_count += 1
     tma.store_wait(0)
 
 
 @gluon.jit
 def attention_forward_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Lse,
-    num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale,
+    num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale, num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
-    """Grid: one program per 128-row query block of each (batch, head); descriptors are (B, H, S, D)."""
-    BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[2]
-    num_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
-    tile = gl.program_id(0)
-    batch_head = tile // num_m_blocks
-    m_block = tile % num_m_blocks
-    if CAUSAL:  # longest rows first, so that short tiles fill the tail of the wave
-        m_block = num_m_blocks - 1 - m_block
-    batch = batch_head // num_q_heads
-    head = batch_head % num_q_heads
-    kv_head = head // group_size
-    first_row = m_block * BLOCK_M
-
-    if CAUSAL:
-        kv_end = gl.minimum(seqlen_k, first_row + BLOCK_M + causal_offset)
-        unmasked_end = gl.minimum(seqlen_k, first_row + causal_offset + 1)
-    else:
-        kv_end = seqlen_k
-        unmasked_end = seqlen_k
-    num_kv_blocks = gl.cdiv(gl.maximum(kv_end, 0), BLOCK_N)
-    num_unmasked_blocks = gl.maximum(unmasked_end, 0) // BLOCK_N
-
+    """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
+    with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V)."""
+    num_m_blocks = gl.cdiv(seqlen_q, 2 * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for consumer in gl.static_range(2):
         mbarrier.init(q_ready.index(consumer), count=1)
+        mbarrier.init(q_free.index(consumer), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
@@ -226,17 +281,18 @@ def attention_forward_hopper_kernel(
     SECOND: gl.constexpr = 1
     gl.warp_specialize(
         [
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-                                   batch, head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks,
+            (_consumer_partition, (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                                   o_desc, Lse, num_tiles, num_m_blocks, num_q_heads, group_size,
                                    seqlen_q, seqlen_k, causal_offset, qk_scale,
                                    FIRST, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_consumer_partition, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-                                   batch, head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks,
+            (_consumer_partition, (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                                   o_desc, Lse, num_tiles, num_m_blocks, num_q_heads, group_size,
                                    seqlen_q, seqlen_k, causal_offset, qk_scale,
                                    SECOND, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                               q_ready, k_ready, v_ready, k_free, v_free,
-                               batch, head, kv_head, first_row, num_kv_blocks, BLOCK_N, STAGES)),
+                               q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                               num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
+                               BLOCK_N, STAGES, CAUSAL)),
         ],
         worker_num_warps=[CONSUMER_WARPS, 1],
         worker_num_regs=[232, 40],
