@@ -57,11 +57,13 @@ def test_not_applicable_off_hopper():
 
 def test_plan_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(ops, "hopper_forward_applies", lambda *args: True)
-    q64, q128 = torch.empty(1, 1, 8, 64), torch.empty(1, 1, 8, 128)
+    q64, q128 = (torch.empty(1).expand(8, 16, 1024, d) for d in (64, 128))
     assert ops.hopper_forward_plan(q128, q128, q128, q128, scale=0.1, causal=False) is True
     assert ops.hopper_forward_plan(q128, q128, q128, q128, scale=0.1, causal=True) is False
     assert ops.hopper_forward_plan(q64, q64, q64, q64, scale=0.1, causal=False) is True
     assert ops.hopper_forward_plan(q64, q64, q64, q64, scale=0.1, causal=True) is None
+    small = torch.empty(1).expand(1, 16, 1024, 64)  # host-bound: the cheaper launch wins
+    assert ops.hopper_forward_plan(small, small, small, small, scale=0.1, causal=False) is None
 
 
 @pytest.mark.parametrize("reason", ["dtype", "head_dim", "scale", "stride"])

@@ -21,6 +21,12 @@ def _device_guard(tensor: torch.Tensor):
     return _NO_GUARD
 
 
+# Below this many FLOPs (4·B·H·Sq·Sk·D) a call is bound by host time, and the Hopper kernel's
+# launch (four tensor descriptors) costs about 50 us more on the host than the portable kernel's
+# (benchmarks/results/h100_host_overhead.txt): small calls take the portable kernel.
+HOPPER_MIN_FLOPS = 1 << 34
+
+
 def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> bool | None:
     """Whether the default path runs the warp-specialised Hopper kernel, and how.
 
@@ -30,7 +36,10 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> bool | N
     a mask and loses with one (tiles of unequal length, dealt round-robin); at D=64 with a causal
     mask the portable kernel is as fast or faster.
     """
-    if not hopper_forward_applies(q, k, v, out, scale) or (causal and q.shape[3] == 64):
+    batch, heads, seqlen_q, head_dim = q.shape
+    if 4 * batch * heads * seqlen_q * k.shape[2] * head_dim < HOPPER_MIN_FLOPS:
+        return None
+    if not hopper_forward_applies(q, k, v, out, scale) or (causal and head_dim == 64):
         return None
     return not causal
 
