@@ -64,8 +64,9 @@ def _fmha_naive(case, q, k, v):
 
 
 def _fmha_tuned(case, q, k, v):
-    """Step 4: what ``fmha.attention`` runs by default: the tuned config (on-disk cache or shipped
-    defaults, never a search), narrowed when its grid would not fill the GPU."""
+    """Step 4: what ``fmha.attention`` runs by default: on Hopper, the warp-specialised Gluon kernel
+    where ``fmha.ops.hopper_forward_plan`` picks it; otherwise the tuned config (on-disk cache or
+    shipped defaults, never a search), narrowed when its grid would not fill the GPU."""
     from fmha.tuning.lookup import explain_forward_config
 
     config, source = explain_forward_config(q.device, q.dtype, case.head_dim, case.causal, case.q_heads,
@@ -159,7 +160,7 @@ PEERS: dict[str, Peer] = {
     peer.name: peer
     for peer in (
         Peer("fmha", "fmha fused forward, heuristic config (step 3)", _fmha_fused, is_fmha=True),
-        Peer("fmha_tuned", "fmha fused forward, autotuned config (step 4)", _fmha_tuned, is_fmha=True),
+        Peer("fmha_tuned", "fmha default path: tuned config, or the Hopper kernel on sm_90 (step 4)", _fmha_tuned, is_fmha=True),
         Peer("naive", "fmha materialising baseline (step 2)", _fmha_naive, is_fmha=True),
         Peer("sdpa_flash", "SDPA FLASH_ATTENTION (FlashAttention-2)", _sdpa("FLASH_ATTENTION")),
         Peer("sdpa_cudnn", "SDPA CUDNN_ATTENTION", _sdpa("CUDNN_ATTENTION")),
