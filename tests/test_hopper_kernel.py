@@ -5,6 +5,11 @@ takes this kernel there); here it is built for sm_90a with Triton's bundled ptxa
 read back: warpgroup MMAs fed by bulk tensor copies, and no slow fallbacks.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -13,40 +18,64 @@ from fmha import launch, ops
 gluon = pytest.importorskip("triton.experimental.gluon")
 
 
-def _compile_for_hopper(head_dim: int, causal: bool, block_n: int = 128, stages: int = 2):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
+# Gluon kernels cannot be built in a process where TRITON_INTERPRET=1 was set at import (Triton's
+# own jit helpers such as gl.max are then interpreted functions), so a clean child process builds
+# them and reports what the SASS contains.
+_BUILD_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.tools.disasm import get_sass
+from fmha import launch
 
-    def descriptor(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16)
-        return f"tensordesc<bf16[1,1,{rows},{head_dim}],{layout!r}>"
+def descriptor(rows, head_dim):
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16)
+    return f"tensordesc<bf16[1,1,{rows},{head_dim}],{layout!r}>"
 
-    signature = {"q_desc": descriptor(launch.HOPPER_CONSUMER_ROWS), "k_desc": descriptor(block_n),
-                 "v_desc": descriptor(block_n), "o_desc": descriptor(launch.HOPPER_CONSUMER_ROWS), "Lse": "*fp32",
-                 "num_q_heads": "i32", "group_size": "i32", "seqlen_q": "i32", "seqlen_k": "i32",
+report = {}
+for head_dim, causal in json.loads(sys.argv[1]):
+    block_n = 128
+    signature = {"q_desc": descriptor(launch.HOPPER_CONSUMER_ROWS, head_dim), "k_desc": descriptor(block_n, head_dim),
+                 "v_desc": descriptor(block_n, head_dim), "o_desc": descriptor(launch.HOPPER_CONSUMER_ROWS, head_dim),
+                 "Lse": "*fp32", "num_q_heads": "i32", "group_size": "i32", "seqlen_q": "i32", "seqlen_k": "i32",
                  "causal_offset": "i32", "qk_scale": "fp32", "num_tiles": "i32",
                  "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr"}
-    constants = {"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal}
+    constants = {"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": 2, "CAUSAL": causal}
     source = GluonASTSource(launch.attention_forward_hopper_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_compiles_to_warpgroup_mma_with_tensor_copies(head_dim, causal):
-    from triton.tools.disasm import get_sass
-
-    compiled = _compile_for_hopper(head_dim, causal)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     sass = get_sass(compiled.asm["cubin"])
-    assert sass.count("HGMMA") > 0, "expected warpgroup MMAs"
-    assert "HMMA" not in sass.replace("HGMMA", ""), "no pre-Hopper MMA fallback"
-    assert sass.count("UTMALDG") > 0 and sass.count("UTMASTG") > 0, "Q/K/V/O move by bulk tensor copies"
-    assert "USETMAXREG" in sass, "registers move from the load warp to the consumers"
+    report[f"{head_dim},{causal}"] = {
+        "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG")},
+        "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
+        "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared}
+print(json.dumps(report))
+"""
+
+VARIANTS = [(64, False), (64, True), (128, False), (128, True)]
+
+
+@pytest.fixture(scope="module")
+def hopper_builds():
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(VARIANTS)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("head_dim, causal", VARIANTS)
+def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, head_dim, causal):
+    build = hopper_builds[f"{head_dim},{causal}"]
+    counts = build["counts"]
+    assert counts["HGMMA"] > 0, "expected warpgroup MMAs"
+    assert build["hmma"] == 0, "no pre-Hopper MMA fallback"
+    assert counts["UTMALDG"] > 0 and counts["UTMASTG"] > 0, "Q/K/V/O move by bulk tensor copies"
+    assert counts["USETMAXREG"] > 0, "registers move from the load warp to the consumers"
     # 4-warp default partition + 4-warp consumer + load warp, padded to whole warpgroups.
-    assert compiled.metadata.num_warps == 12
-    assert compiled.metadata.shared <= 232448, "fits the H100's shared memory per block"
+    assert build["num_warps"] == 12
+    assert build["shared"] <= 232448, "fits the H100's shared memory per block"
 
 
 def test_not_applicable_off_hopper():

@@ -56,12 +56,14 @@ def tma_compatible(tensor: torch.Tensor) -> bool:
                for size, stride in zip(tensor.shape[:3], tensor.stride()[:3]))
 
 
+def _descriptor_strides(tensor: torch.Tensor) -> list[int]:
+    # Any 16-byte multiple will do for a dimension that is never stepped.
+    return [16 if size == 1 and dim < 3 else stride
+            for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride()))]
+
+
 def _descriptor(tensor: torch.Tensor, block_rows: int, block_d: int):
-    strides = list(tensor.stride())
-    for dim in range(3):  # any 16-byte multiple will do for a dimension that is never stepped
-        if tensor.shape[dim] == 1:
-            strides[dim] = 16
-    return TensorDescriptor(tensor, list(tensor.shape), strides, [1, 1, block_rows, block_d])
+    return TensorDescriptor(tensor, list(tensor.shape), _descriptor_strides(tensor), [1, 1, block_rows, block_d])
 
 
 HOPPER_CONSUMER_ROWS = 64
@@ -93,12 +95,8 @@ def _hopper_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
 
 
 def _hopper_descriptor(tensor: torch.Tensor, block_rows: int):
-    strides = list(tensor.stride())
-    for dim in range(3):
-        if tensor.shape[dim] == 1:
-            strides[dim] = 16
     head_dim = tensor.shape[3]
-    return GluonTensorDescriptor(tensor, list(tensor.shape), strides, [1, 1, block_rows, head_dim],
+    return GluonTensorDescriptor(tensor, list(tensor.shape), _descriptor_strides(tensor), [1, 1, block_rows, head_dim],
                                  _hopper_layout(block_rows, head_dim, tensor.dtype))
 
 

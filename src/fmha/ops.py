@@ -37,9 +37,10 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> bool | N
     mask the portable kernel is as fast or faster.
     """
     batch, heads, seqlen_q, head_dim = q.shape
-    if 4 * batch * heads * seqlen_q * k.shape[2] * head_dim < HOPPER_MIN_FLOPS:
+    # The cheap integer tests first: this runs on every default-path call.
+    if (causal and head_dim == 64) or 4 * batch * heads * seqlen_q * k.shape[2] * head_dim < HOPPER_MIN_FLOPS:
         return None
-    if not hopper_forward_applies(q, k, v, out, scale) or (causal and head_dim == 64):
+    if not hopper_forward_applies(q, k, v, out, scale):
         return None
     return not causal
 

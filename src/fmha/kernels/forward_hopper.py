@@ -60,6 +60,8 @@ def _tile_coordinates(tile, num_m_blocks, num_q_heads, group_size, seqlen_k, cau
         m_block = num_m_blocks - 1 - m_block
     head = batch_head % num_q_heads
     first_row = m_block * BLOCK_M
+    # The key range of fmha.kernels.common._key_range, written out: under TRITON_INTERPRET=1 that
+    # helper is an interpreted function, which Gluon cannot call (and CPU tests compile this kernel).
     if CAUSAL:
         kv_end = gl.minimum(seqlen_k, first_row + BLOCK_M + causal_offset)
         unmasked_end = gl.minimum(seqlen_k, first_row + causal_offset + 1)
