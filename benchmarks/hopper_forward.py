@@ -37,8 +37,10 @@ def check_correctness(variants):
         (8, 16, 4, 1000, 1000, 64, "bshd"), (4, 16, 16, 777, 1500, 128, "bhsd"),
     ]
     failures = 0
-    for (batch, hq, hkv, sq, sk, d, layout), causal, dtype, (name, block_n, stages, persistent) in itertools.product(
+    for (batch, hq, hkv, sq, sk, d, layout), causal, dtype, (name, options) in itertools.product(
             shapes, [False, True], [torch.bfloat16, torch.float16], variants):
+        if options.get("consumers") == 3 and d != 64:
+            continue
         generator = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
         q, k, v = random_qkv(batch, hq, hkv, sq, sk, d, dtype, device="cuda", layout=layout, generator=generator)
         out = torch.full_like(q, float("nan"))
@@ -46,8 +48,7 @@ def check_correctness(variants):
         offset = sk - sq if causal else None
         label = f"{name} {dtype} B{batch} H{hq}/{hkv} {sq}x{sk} D{d} {layout} causal={causal}"
         try:
-            launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(d),
-                                  block_n=block_n, stages=stages, persistent=persistent)
+            launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(d), **options)
             torch.cuda.synchronize()
             assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)
         except Exception as exc:
@@ -64,9 +65,18 @@ def sdpa(backend, q, k, v, causal):
     return run
 
 
-def variants_for(head_dim):
-    """(name, block_n, stages, persistent)."""
-    return [("gluon n128 s2", 128, 2, False), ("gluon persistent", 128, 2, True)]
+def variants_for(head_dim, causal):
+    """(name, launch_forward_hopper options): the default path's choice, then the alternatives."""
+    default = {"persistent": not causal}
+    variants = [("gluon", default),
+                ("gluon persistent" if causal else "gluon grid", {"persistent": causal}),
+                ("emulated exp2 1/8", {**default, "emulated_exp2": 8}),
+                ("emulated exp2 1/4", {**default, "emulated_exp2": 4})]
+    if head_dim == 64:
+        variants += [("3 consumers n64 s3", {**default, "consumers": 3, "block_n": 64, "stages": 3}),
+                     ("3 consumers n64 s3 emu 1/8", {**default, "consumers": 3, "block_n": 64, "stages": 3,
+                                                     "emulated_exp2": 8})]
+    return variants
 
 
 def main():
@@ -76,8 +86,10 @@ def main():
     args = parser.parse_args()
     payload = {"environment": environment(), "rows": []}
     if not args.skip_check:
-        payload["correctness_failures"] = check_correctness([("persistent n128", 128, 2, True), ("n64", 64, 2, False),
-                                                           ("persistent n64 s3", 64, 3, True)])
+        payload["correctness_failures"] = check_correctness([
+            ("persistent", {"persistent": True}), ("grid", {"persistent": False}),
+            ("emulated exp2 1/8", {"emulated_exp2": 8}), ("emulated exp2 1/2", {"emulated_exp2": 2}),
+            ("3 consumers n64 s3", {"consumers": 3, "block_n": 64, "stages": 3})])
     for case in cases.seeds() + cases.std():
         q, k, v = make_inputs(case, torch.bfloat16)
         offset = case.seqlen_k - case.seqlen_q if case.causal else None
@@ -90,10 +102,9 @@ def main():
         config = heuristic_forward_config(case.head_dim, q.dtype, case.seqlen_q)
         runs["triton"] = (lambda: launch_forward(q, k, v, out, lse, causal_offset=offset, scale=scale,
                                                  config=config), out)
-        for name, block_n, stages, persistent in variants_for(case.head_dim):
-            runs[name] = (lambda block_n=block_n, stages=stages, persistent=persistent: launch_forward_hopper(
-                q, k, v, out, lse, causal_offset=offset, scale=scale, block_n=block_n, stages=stages,
-                persistent=persistent), out)
+        for name, options in variants_for(case.head_dim, case.causal):
+            runs[name] = (lambda options=options: launch_forward_hopper(
+                q, k, v, out, lse, causal_offset=offset, scale=scale, **options), out)
         rows = []
         for name, (run, output) in runs.items():
             row = {"variant": name}
@@ -120,13 +131,13 @@ def main():
         print(f"\n{case.label}  (flash {rows[0].get('tflops', 0):.0f}, cuDNN {cudnn:.0f} TFLOP/s)", flush=True)
         for row in rows[2:]:
             if "tflops" in row:
-                print(f"  {row['variant']:<16} {row['tflops']:6.0f}  {row['tflops'] / cudnn:5.2f}x cuDNN", flush=True)
+                print(f"  {row['variant']:<24} {row['tflops']:6.0f}  {row['tflops'] / cudnn:5.2f}x cuDNN", flush=True)
             else:
-                print(f"  {row['variant']:<16} {row.get('error')}", flush=True)
+                print(f"  {row['variant']:<24} {row.get('error')}", flush=True)
         payload["rows"] += [{"case": case.to_dict(), "label": case.label, **row} for row in rows]
         del q, k, v
-    with open(args.out, "w") as handle:
-        json.dump(payload, handle, indent=1)
+        with open(args.out, "w") as handle:  # after every case: a run cut short keeps what it measured
+            json.dump(payload, handle, indent=1)
 
 
 if __name__ == "__main__":

@@ -82,12 +82,21 @@ def test_long_sequence_allocates_no_score_matrix():
     assert (out[:, :, tail].double() - ref).abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("persistent", [False, True])
+HOPPER_SCHEDULES = {  # launch_forward_hopper options; names without spaces (test ids pass through a shell)
+    "grid": {"persistent": False},
+    "persistent": {"persistent": True},
+    "emulated_exp2_1_in_8": {"emulated_exp2": 8},
+    "emulated_exp2_1_in_2": {"emulated_exp2": 2},
+    "three_consumers": {"consumers": 3, "block_n": 64, "stages": 3},
+}
+
+
+@pytest.mark.parametrize("schedule", HOPPER_SCHEDULES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_hopper_kernel_both_grids(dtype, head_dim, causal, persistent):
-    """The Gluon kernel with a persistent grid (programs walk several tiles) and one program per tile."""
+def test_hopper_kernel_schedules(dtype, head_dim, causal, schedule):
+    """The Gluon kernel's grids and softmax variants, on more tiles than multiprocessors."""
     from fmha.launch import default_scale, hopper_forward_applies, launch_forward_hopper
 
     q, k, v = random_qkv(4, 16, 4, 777, 1500, head_dim, dtype, device="cuda", layout="bshd")
@@ -97,5 +106,5 @@ def test_hopper_kernel_both_grids(dtype, head_dim, causal, persistent):
         pytest.skip("needs an sm_90 GPU")
     offset = 1500 - 777 if causal else None
     launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(head_dim),
-                          persistent=persistent)
+                          **HOPPER_SCHEDULES[schedule])
     assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)

@@ -23,37 +23,30 @@ gluon = pytest.importorskip("triton.experimental.gluon")
 # them and reports what the SASS contains.
 _BUILD_SCRIPT = r"""
 import json, sys
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from triton.tools.disasm import get_sass
 from fmha import launch
 
-def descriptor(rows, head_dim):
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16)
-    return f"tensordesc<bf16[1,1,{rows},{head_dim}],{layout!r}>"
-
 report = {}
-for head_dim, causal in json.loads(sys.argv[1]):
-    block_n = 128
-    signature = {"q_desc": descriptor(launch.HOPPER_CONSUMER_ROWS, head_dim), "k_desc": descriptor(block_n, head_dim),
-                 "v_desc": descriptor(block_n, head_dim), "o_desc": descriptor(launch.HOPPER_CONSUMER_ROWS, head_dim),
-                 "Lse": "*fp32", "num_q_heads": "i32", "group_size": "i32", "seqlen_q": "i32", "seqlen_k": "i32",
-                 "causal_offset": "i32", "qk_scale": "fp32", "num_tiles": "i32",
-                 "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr", "CAUSAL": "constexpr"}
-    constants = {"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": 2, "CAUSAL": causal}
-    source = GluonASTSource(launch.attention_forward_hopper_kernel, signature, constants)
+for head_dim, causal, consumers, block_n, stages, emulated_exp2 in json.loads(sys.argv[1]):
+    # The very source and signature the launcher compiles on a GPU.
+    source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, block_n, stages, causal, consumers,
+                                              emulated_exp2)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     sass = get_sass(compiled.asm["cubin"])
-    report[f"{head_dim},{causal}"] = {
-        "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG")},
+    report[",".join(map(str, (head_dim, causal, consumers, block_n, stages, emulated_exp2)))] = {
+        "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
         "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared}
 print(json.dumps(report))
 """
 
-VARIANTS = [(64, False), (64, True), (128, False), (128, True)]
+# (head_dim, causal, consumers, block_n, stages, emulated_exp2): the default path's choices, and
+# D=64 without the emulated exponentials for comparison.
+VARIANTS = [(64, False, 2, 128, 2, 8), (64, True, 2, 128, 2, 8), (128, False, 2, 128, 2, 0), (128, True, 2, 128, 2, 0),
+            (64, False, 3, 64, 3, 0), (64, False, 2, 128, 2, 0)]
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +58,25 @@ def hopper_builds():
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("head_dim, causal", VARIANTS)
-def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, head_dim, causal):
-    build = hopper_builds[f"{head_dim},{causal}"]
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
+    head_dim, causal, consumers, block_n, stages, emulated_exp2 = variant
+    build = hopper_builds[",".join(map(str, variant))]
     counts = build["counts"]
     assert counts["HGMMA"] > 0, "expected warpgroup MMAs"
     assert build["hmma"] == 0, "no pre-Hopper MMA fallback"
     assert counts["UTMALDG"] > 0 and counts["UTMASTG"] > 0, "Q/K/V/O move by bulk tensor copies"
     assert counts["USETMAXREG"] > 0, "registers move from the load warp to the consumers"
-    # 4-warp default partition + 4-warp consumer + load warp, padded to whole warpgroups.
-    assert build["num_warps"] == 12
+    # 4-warp default partition + 4-warp consumers + load warp, padded to whole warpgroups.
+    assert build["num_warps"] == 4 * (consumers + 1)
     assert build["shared"] <= 232448, "fits the H100's shared memory per block"
+
+
+def test_emulated_exponentials_leave_the_mufu_unit(hopper_builds):
+    """One exponential in eight computed by polynomial: fewer MUFU.EX2 in the SASS."""
+    plain = hopper_builds["64,False,2,128,2,0"]["counts"]["MUFU.EX2"]
+    emulated = hopper_builds["64,False,2,128,2,8"]["counts"]["MUFU.EX2"]
+    assert emulated < plain
 
 
 def test_not_applicable_off_hopper():
@@ -86,13 +87,19 @@ def test_not_applicable_off_hopper():
 
 def test_plan_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(ops, "hopper_forward_applies", lambda *args: True)
-    q64, q128 = (torch.empty(1).expand(8, 16, 1024, d) for d in (64, 128))
-    assert ops.hopper_forward_plan(q128, q128, q128, q128, scale=0.1, causal=False) is True
-    assert ops.hopper_forward_plan(q128, q128, q128, q128, scale=0.1, causal=True) is False
-    assert ops.hopper_forward_plan(q64, q64, q64, q64, scale=0.1, causal=False) is True
-    assert ops.hopper_forward_plan(q64, q64, q64, q64, scale=0.1, causal=True) is None
-    small = torch.empty(1).expand(1, 16, 1024, 64)  # host-bound: the cheaper launch wins
-    assert ops.hopper_forward_plan(small, small, small, small, scale=0.1, causal=False) is None
+
+    def plan(seqlen, head_dim, causal, batch=8):
+        q = torch.empty(1).expand(batch, 16, seqlen, head_dim)
+        return ops.hopper_forward_plan(q, q, q, q, scale=0.1, causal=causal)
+
+    assert plan(1024, 128, causal=False) == {"persistent": True}
+    assert plan(1024, 128, causal=True) == {"persistent": False}
+    assert plan(1024, 64, causal=False) == {"persistent": True, "emulated_exp2": 8}
+    assert plan(16384, 64, causal=False) == {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}
+    assert plan(1024, 64, causal=True) is None
+    assert plan(16384, 64, causal=True) == {"persistent": False, "emulated_exp2": 8}
+    assert plan(1024, 64, causal=False, batch=1) == {"persistent": True, "emulated_exp2": 8}
+    assert plan(512, 64, causal=False, batch=1) is None  # the portable kernel's small tiles
 
 
 @pytest.mark.parametrize("reason", ["dtype", "head_dim", "scale", "stride"])

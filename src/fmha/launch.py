@@ -31,7 +31,7 @@ INTERPRETED = isinstance(attention_forward_kernel, InterpretedFunction)
 
 try:  # Gluon (Triton >= 3.5): the warp-specialised Hopper forward
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     from .kernels.forward_hopper import attention_forward_hopper_kernel
 except ImportError:  # pragma: no cover - older triton: the portable kernel runs everywhere
@@ -49,17 +49,25 @@ def tma_compatible(tensor: torch.Tensor) -> bool:
     The base and every stride but the last (which must be 1) have to be 16-byte multiples and
     non-zero; a dimension of size 1 is never stepped, so its stride does not matter.
     """
-    if tensor.stride(3) != 1 or tensor.data_ptr() % 16:
+    strides = tensor.stride()
+    if strides[3] != 1 or tensor.data_ptr() % 16:
         return False
-    item = tensor.element_size()
-    return all(size == 1 or (stride > 0 and stride * item % 16 == 0)
-               for size, stride in zip(tensor.shape[:3], tensor.stride()[:3]))
+    return _strides_tma_compatible(tensor.shape, strides, tensor.element_size())
+
+
+@functools.lru_cache(maxsize=1024)
+def _strides_tma_compatible(shape: torch.Size, strides: tuple[int, ...], item: int) -> bool:
+    return all(size == 1 or (stride > 0 and stride * item % 16 == 0) for size, stride in zip(shape[:3], strides[:3]))
 
 
 def _descriptor_strides(tensor: torch.Tensor) -> list[int]:
-    # Any 16-byte multiple will do for a dimension that is never stepped.
-    return [16 if size == 1 and dim < 3 else stride
-            for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride()))]
+    return _descriptor_strides_of(tensor.shape, tensor.stride())
+
+
+@functools.lru_cache(maxsize=1024)
+def _descriptor_strides_of(shape: torch.Size, strides: tuple[int, ...]) -> list[int]:
+    # Any 16-byte multiple will do for a dimension that is never stepped. (Cached: callers only read it.)
+    return [16 if size == 1 and dim < 3 else stride for dim, (size, stride) in enumerate(zip(shape, strides))]
 
 
 def _descriptor(tensor: torch.Tensor, block_rows: int, block_d: int):
@@ -94,31 +102,80 @@ def _hopper_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, head_dim], element)
 
 
-def _hopper_descriptor(tensor: torch.Tensor, block_rows: int):
-    head_dim = tensor.shape[3]
-    return GluonTensorDescriptor(tensor, list(tensor.shape), _descriptor_strides(tensor), [1, 1, block_rows, head_dim],
-                                 _hopper_layout(block_rows, head_dim, tensor.dtype))
+class _HostDescriptor:
+    """What Triton's launcher reads from a host tensor descriptor to encode the tensor map.
+
+    Built per call without Gluon's TensorDescriptor checks: ``hopper_forward_applies`` made them.
+    """
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.base, self.shape, self.strides, self.padding = tensor, list(tensor.shape), _descriptor_strides(tensor), "zero"
+
+
+_HOPPER_INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "causal_offset")
+
+
+def hopper_forward_source(dtype: torch.dtype, head_dim: int, block_n: int, stages: int, causal: bool,
+                          consumers: int, emulated_exp2: int):
+    """The Gluon forward's compile source for one static configuration, and its constexpr values.
+
+    The integer arguments carry no value specialisation, so one binary serves every shape.
+    """
+    element = "bf16" if dtype == torch.bfloat16 else "fp16"
+
+    def descriptor_type(rows: int) -> str:
+        return f"tensordesc<{element}[1,1,{rows},{head_dim}],{_hopper_layout(rows, head_dim, dtype)!r}>"
+
+    constants = {"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
+                 "CONSUMERS": consumers, "EMULATED_EXP2": emulated_exp2}
+    signature = {"q_desc": descriptor_type(HOPPER_CONSUMER_ROWS), "k_desc": descriptor_type(block_n),
+                 "v_desc": descriptor_type(block_n), "o_desc": descriptor_type(HOPPER_CONSUMER_ROWS),
+                 "Lse": "*fp32", **dict.fromkeys(_HOPPER_INTEGER_ARGS, "i32"), "qk_scale": "fp32",
+                 "num_tiles": "i32", **dict.fromkeys(constants, "constexpr")}
+    assert list(signature) == attention_forward_hopper_kernel.arg_names
+    return GluonASTSource(attention_forward_hopper_kernel, signature, constants), tuple(constants.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_hopper_forward(device: torch.device, *static_config):
+    """Compiled once per device and static configuration (Triton's disk cache still applies) and
+    launched directly: this skips the JIT's per-call work of binding ~20 arguments, computing
+    their specialisation (the descriptors' layouts included) and hashing the cache key."""
+    source, constants = hopper_forward_source(*static_config)
+    with torch.cuda.device(device):
+        compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(),
+                                  options={"num_warps": 4})
+        compiled._init_handles()  # loads the module on this device
+    return compiled, constants
 
 
 def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
-                          block_n: int = 128, stages: int = 2, persistent: bool = True):
+                          block_n: int = 128, stages: int = 2, persistent: bool = True, consumers: int = 2,
+                          emulated_exp2: int = 0):
     """The Gluon forward (see :func:`hopper_forward_applies`); same outputs as :func:`launch_forward`.
 
     ``persistent``: one program per multiprocessor walks the tiles (the next tile's loads overlap
-    the current tile's end); otherwise one program per tile.
+    the current tile's end); otherwise one program per tile. ``consumers``: 2 or 3 warpgroups of
+    64 query rows per tile. ``emulated_exp2`` (0, 2, 4 or 8): one exponential in that many is
+    computed on the FMA units (:mod:`fmha.kernels.forward_hopper`). Returns the compiled kernel.
     """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    num_tiles = triton.cdiv(seqlen_q, 2 * HOPPER_CONSUMER_ROWS) * batch * num_q_heads
-    grid = (min(num_tiles, _resident_programs(q.device)) if persistent else num_tiles,)
-    return attention_forward_hopper_kernel[grid](
-        _hopper_descriptor(q, HOPPER_CONSUMER_ROWS), _hopper_descriptor(k, block_n),
-        _hopper_descriptor(v, block_n), _hopper_descriptor(out, HOPPER_CONSUMER_ROWS), lse,
-        num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
-        0 if causal_offset is None else causal_offset, scale * LOG2_E, num_tiles,
-        HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal_offset is not None,
-        num_warps=4,
-    )
+    compiled, constants = _compiled_hopper_forward(q.device, q.dtype, head_dim, block_n, stages,
+                                                   causal_offset is not None, consumers, emulated_exp2)
+    num_tiles = -(-seqlen_q // (consumers * HOPPER_CONSUMER_ROWS)) * batch * num_q_heads
+    grid = min(num_tiles, _resident_programs(q.device)) if persistent else num_tiles
+    args = (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out), lse,
+            num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
+            0 if causal_offset is None else causal_offset, scale * LOG2_E, num_tiles, *constants)
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index)  # what Triton's own launch asks for
+    enter_hook, exit_hook = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    metadata = compiled.launch_metadata((grid, 1, 1), stream, *args) if enter_hook is not None else None
+    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
+                 enter_hook, exit_hook, *args)
+    return compiled
 
 
 def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float,

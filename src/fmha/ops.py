@@ -21,28 +21,46 @@ def _device_guard(tensor: torch.Tensor):
     return _NO_GUARD
 
 
-# Below this many FLOPs (4·B·H·Sq·Sk·D) a call is bound by host time, and the Hopper kernel's
-# launch (four tensor descriptors) costs about 50 us more on the host than the portable kernel's
-# (benchmarks/results/h100_host_overhead.txt): small calls take the portable kernel.
-HOPPER_MIN_FLOPS = 1 << 34
+# The smallest call measured on the Hopper kernel, (1,16,1024,64): 4·B·H·Sq·Sk·D = 2^32. Below it
+# (decode, short sequences) the portable kernel's tuned small tiles serve; the Hopper kernel's
+# 128-row tiles would idle. Its launch is not the reason: launched directly it costs less host
+# time than the portable kernel's (benchmarks/results/h100_host_overhead.txt).
+HOPPER_MIN_FLOPS = 1 << 32
 
 
-def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> bool | None:
-    """Whether the default path runs the warp-specialised Hopper kernel, and how.
+def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> dict | None:
+    """Whether the default path runs the warp-specialised Hopper kernel, and with which options.
 
-    ``None``: the portable Triton kernel. ``True``/``False``: the Gluon kernel with a persistent
-    grid or one program per tile. Measured on the H100 (docs/perf.md, "The Hopper kernel"): it is
-    ahead at D=128 everywhere and at D=64 without a causal mask; the persistent grid pays without
-    a mask and loses with one (tiles of unequal length, dealt round-robin); at D=64 with a causal
-    mask the portable kernel is as fast or faster.
+    ``None``: the portable Triton kernel; otherwise the keyword options of
+    ``launch_forward_hopper``. Measured on the H100 (docs/perf.md, "The Hopper kernel"):
+
+    * D=128: two consumers; the persistent grid pays without a mask and loses with one (causal
+      tiles of unequal length, dealt round-robin).
+    * D=64 without a mask: one exponential in eight on the FMA units (the MUFU unit paces the
+      softmax there); from 8k queries, three 64-row consumers with 64-key blocks instead.
+    * D=64 causal: the Hopper kernel (exponentials as above) only from 8k queries; below, the
+      portable kernel is faster.
     """
     batch, heads, seqlen_q, head_dim = q.shape
+    long_queries = seqlen_q >= 8192
     # The cheap integer tests first: this runs on every default-path call.
-    if (causal and head_dim == 64) or 4 * batch * heads * seqlen_q * k.shape[2] * head_dim < HOPPER_MIN_FLOPS:
+    if (causal and head_dim == 64 and not long_queries
+            or 4 * batch * heads * seqlen_q * k.shape[2] * head_dim < HOPPER_MIN_FLOPS):
         return None
     if not hopper_forward_applies(q, k, v, out, scale):
         return None
-    return not causal
+    if head_dim == 128:
+        return _PERSISTENT_GRID if not causal else _GRID
+    if causal:
+        return _GRID_EMULATED_EXP2
+    return _THREE_CONSUMERS if long_queries else _PERSISTENT_EMULATED_EXP2
+
+
+_PERSISTENT_GRID = {"persistent": True}
+_GRID = {"persistent": False}
+_GRID_EMULATED_EXP2 = {"persistent": False, "emulated_exp2": 8}
+_PERSISTENT_EMULATED_EXP2 = {"persistent": True, "emulated_exp2": 8}
+_THREE_CONSUMERS = {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}
 
 
 def run_forward(q, k, v, *, causal_offset: int | None, scale: float, naive: bool = False,
@@ -58,9 +76,9 @@ def run_forward(q, k, v, *, causal_offset: int | None, scale: float, naive: bool
     with _device_guard(q):
         if naive:
             launch_naive(q, k, v, out, lse, causal_offset=causal_offset, scale=scale)
-        elif config is None and (persistent := hopper_forward_plan(
+        elif config is None and (plan := hopper_forward_plan(
                 q, k, v, out, scale=scale, causal=causal_offset is not None)) is not None:
-            launch_forward_hopper(q, k, v, out, lse, causal_offset=causal_offset, scale=scale, persistent=persistent)
+            launch_forward_hopper(q, k, v, out, lse, causal_offset=causal_offset, scale=scale, **plan)
         else:
             if config is None:
                 config = INTERPRETER_FORWARD_CONFIG if INTERPRETED else forward_config(q, k, causal_offset is not None)

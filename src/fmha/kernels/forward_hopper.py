@@ -4,18 +4,22 @@ Same math as :mod:`fmha.kernels.forward` (online softmax in exp2 with the scale 
 causal blocks above the diagonal skipped), scheduled the way cuDNN and FlashAttention-3 do it,
 which Triton's automatic pipeliner does not reach on this chip:
 
-* a CTA walks query tiles of BLOCK_M = 128 rows of one (batch, head) (persistent: as many CTAs
-  as multiprocessors, or one per tile) and runs three warp partitions: two consumer warpgroups
-  of 64 rows each and one load warp;
+* a CTA walks query tiles of BLOCK_M = 64 x CONSUMERS rows of one (batch, head) (persistent: as
+  many CTAs as multiprocessors, or one per tile) and runs CONSUMERS + 1 warp partitions: two or
+  three consumer warpgroups of 64 rows each and one load warp;
 * the load warp streams K and V blocks through a ring of STAGES shared-memory slots with
   bulk tensor copies (TMA); each slot has a "ready" barrier (the copy landed) and a "free"
   barrier (both consumers are done with it);
 * each consumer keeps its Q rows in shared memory and its accumulator in registers and
   overlaps its own work: the Q·Kᵀ of block j and the P·V of block j-1 are in flight on the
   tensor cores while it waits, and the softmax of block j runs while P·V of block j-1 finishes;
-* the two consumers run independently, so one's softmax overlaps the other's matrix products;
+* the consumers run independently, so one's softmax overlaps another's matrix products;
 * while the consumers finish a tile (last P·V, normalisation, output store), the load warp
   already fetches the next tile's Q, K and V: the per-tile start-up is hidden.
+
+EMULATED_EXP2 = k computes one exponential in every k on the FMA units (a cubic polynomial,
+relative error 1e-4, far below the 16-bit rounding of P) instead of the MUFU unit, whose 16
+results per clock per multiprocessor otherwise pace the softmax at head dim 64.
 
 Rows past the end of a sequence load as zeros and are never stored (the descriptors carry the
 bounds); keys past the end and above the causal diagonal are masked to -inf.
@@ -48,12 +52,54 @@ def _operand_layout(columns):
     return gl.DotOperandLayout(operand_index=0, parent=_accumulator_layout(columns), k_width=2)
 
 
+@gluon.constexpr_function
+def _exp2_asm(every):
+    """PTX for ``every`` exponentials: the first by polynomial on the FMA units, the rest by MUFU.
+
+    2^x = 2^n * 2^f with n = round(x) (adding 1.5 * 2^23 rounds and leaves n in the low bits),
+    f = x - n in [-0.5, 0.5], 2^f ~ 1 + f (c1 + f (c2 + f c3)), and 2^n added to the exponent
+    bits. x is clamped to -127 first, where f = 0 and the bits come out as exactly 0.0
+    (exp2(-inf) = 0 for masked keys)."""
+    polynomial = (
+        "max.ftz.f32 %ex_in, ${arg}, 0fC2FE0000;\n"
+        "add.rn.f32 %ex_shift, %ex_in, 0f4B400000;\n"
+        "sub.rn.f32 %ex_int, %ex_shift, 0f4B400000;\n"
+        "sub.rn.f32 %ex_frac, %ex_in, %ex_int;\n"
+        "fma.rn.f32 %ex_poly, %ex_frac, 0f3D6150AE, 0f3E7805FF;\n"
+        "fma.rn.f32 %ex_poly, %ex_poly, %ex_frac, 0f3F317AFD;\n"
+        "fma.rn.f32 %ex_poly, %ex_poly, %ex_frac, 0f3F800000;\n"
+        "mov.b32 %ex_bits, %ex_shift;\n"
+        "shl.b32 %ex_bits, %ex_bits, 23;\n"
+        "mov.b32 %ex_pbits, %ex_poly;\n"
+        "add.s32 $0, %ex_pbits, %ex_bits;\n"
+    ).format(arg=every)
+    mufu = "".join(f"ex2.approx.ftz.f32 ${i}, ${every + i};\n" for i in range(1, every))
+    return ("{\n.reg .f32 %ex_in, %ex_shift, %ex_int, %ex_frac, %ex_poly;\n.reg .b32 %ex_bits, %ex_pbits;\n"
+            + polynomial + mufu + "}")
+
+
+@gluon.constexpr_function
+def _exp2_constraints(every):
+    return ",".join(["=r"] * every + ["r"] * every)
+
+
+@gluon.jit
+def _exp2(x, EMULATED_EXP2: gl.constexpr):
+    """exp2, with one element in every EMULATED_EXP2 computed on the FMA units (0: none)."""
+    if EMULATED_EXP2 == 0:
+        result = gl.exp2(x)
+    else:
+        result = gl.inline_asm_elementwise(_exp2_asm(EMULATED_EXP2), _exp2_constraints(EMULATED_EXP2), [x],
+                                           dtype=gl.float32, is_pure=True, pack=EMULATED_EXP2)
+    return result
+
+
 @gluon.jit
 def _tile_coordinates(tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Tile t covers query block t % num_m_blocks of (batch, head) t // num_m_blocks: the query
-    blocks of one head are adjacent so that they share K/V in L2. Causal blocks run longest first
-    (the last rows see the most keys), so the short tiles fill the tail of the wave."""
+    blocks of one head run side by side and share K/V in L2. Causal blocks run longest first
+    within a head (the last rows see the most keys), so the short tiles fill the tail of the wave."""
     batch_head = tile // num_m_blocks
     m_block = tile % num_m_blocks
     if CAUSAL:
@@ -75,17 +121,19 @@ def _tile_coordinates(tile, num_m_blocks, num_q_heads, group_size, seqlen_k, cau
 
 @gluon.jit
 def _load_partition(
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-    num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    args,  # unpacked below
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
 ):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset) = args
     consumer_rows: gl.constexpr = q_desc.block_type.shape[2]
     ring_position = 0  # K/V blocks loaded so far, over all tiles: slot and phase of the next one
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
-            tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset, 2 * consumer_rows, BLOCK_N, CAUSAL)
-        for consumer in gl.static_range(2):
+            tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
+            CONSUMERS * consumer_rows, BLOCK_N, CAUSAL)
+        for consumer in gl.static_range(CONSUMERS):
             # A free barrier completes once per use; the first wait finds it free.
             mbarrier.wait(q_free.index(consumer), (tile_count & 1) ^ 1)
             mbarrier.expect(q_ready.index(consumer), q_desc.block_type.nbytes)
@@ -112,7 +160,7 @@ def _softmax_block(
     scores,  # [ROWS, BLOCK_N] f32, Q·Kᵀ unscaled
     row_max, row_sum,  # [ROWS] f32, log2 units
     rows, keys, seqlen_k, causal_offset, qk_scale,
-    MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+    MASKED: gl.constexpr, CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr,
 ):
     """Probabilities of one key block, the accumulator's rescale factor, the new max and sum."""
     if MASKED:
@@ -123,22 +171,25 @@ def _softmax_block(
     new_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale)
     # A row that has seen no key keeps max = -inf; subtracting 0 gives exp2(-inf) = 0, not NaN.
     new_max_safe = gl.where(new_max == float("-inf"), 0.0, new_max)
-    probs = gl.exp2(scores * qk_scale - new_max_safe[:, None])
+    probs = _exp2(scores * qk_scale - new_max_safe[:, None], EMULATED_EXP2)
     rescale = gl.exp2(row_max - new_max_safe)
     row_sum = row_sum * rescale + gl.sum(probs, 1)
     return probs, rescale, new_max, row_sum
 
 
 @gluon.jit
-def _softmax_any_block(scores, row_max, row_sum, rows, keys, seqlen_k, causal_offset, qk_scale,
-                       masked, CAUSAL: gl.constexpr):
+def _softmax_first_block(scores, rows, keys, seqlen_k, causal_offset, qk_scale, masked,
+                         CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr):
+    """The first block of a tile: nothing to rescale yet."""
+    row_max = gl.full([scores.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
+    row_sum = gl.zeros([scores.shape[0]], gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     if masked:
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys, seqlen_k, causal_offset, qk_scale, True, CAUSAL)
+            scores, row_max, row_sum, rows, keys, seqlen_k, causal_offset, qk_scale, True, CAUSAL, EMULATED_EXP2)
     else:
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys, seqlen_k, causal_offset, qk_scale, False, CAUSAL)
-    return probs, rescale, row_max, row_sum
+            scores, row_max, row_sum, rows, keys, seqlen_k, causal_offset, qk_scale, False, CAUSAL, EMULATED_EXP2)
+    return probs, row_max, row_sum
 
 
 @gluon.jit
@@ -146,7 +197,7 @@ def _pipelined_blocks(
     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
     rows, keys0, ring_position, block_start, block_end, seqlen_k, causal_offset, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+    MASKED: gl.constexpr, CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr,
 ):
     """Blocks [block_start, block_end) of the tile, each issued with the previous block's P·V."""
     ROWS: gl.constexpr = q.shape[0]
@@ -169,7 +220,7 @@ def _pipelined_blocks(
         mbarrier.arrive(k_free.index(slot), count=1)
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, block * BLOCK_N + keys0, seqlen_k, causal_offset, qk_scale,
-            MASKED, CAUSAL)
+            MASKED, CAUSAL, EMULATED_EXP2)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_free.index(prev_slot), count=1)
         acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
@@ -178,11 +229,12 @@ def _pipelined_blocks(
 
 @gluon.jit
 def _consumer_partition(
-    q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-    num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale,
-    CONSUMER: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    shared,  # the runtime arguments every consumer gets, unpacked below
+    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr,
 ):
+    (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale) = shared
     dtype: gl.constexpr = o_desc.dtype
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
     s_layout: gl.constexpr = _accumulator_layout(BLOCK_N)
@@ -196,7 +248,8 @@ def _consumer_partition(
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
-            tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset, 2 * ROWS, BLOCK_N, CAUSAL)
+            tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
+            CONSUMERS * ROWS, BLOCK_N, CAUSAL)
         row0 = first_row + CONSUMER * ROWS
         rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
         row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
@@ -212,19 +265,18 @@ def _consumer_partition(
                                    use_acc=False, is_async=True)
             scores = warpgroup_mma_wait(0, deps=(scores,))
             mbarrier.arrive(k_free.index(slot), count=1)
-            probs, rescale, row_max, row_sum = _softmax_any_block(
-                scores, row_max, row_sum, rows, keys0, seqlen_k, causal_offset, qk_scale,
-                num_unmasked_blocks == 0, CAUSAL)
+            probs, row_max, row_sum = _softmax_first_block(
+                scores, rows, keys0, seqlen_k, causal_offset, qk_scale, num_unmasked_blocks == 0, CAUSAL, EMULATED_EXP2)
             # Blocks wholly visible to every row run without masks; the diagonal and the end of K with.
             first_masked = gl.maximum(num_unmasked_blocks, 1)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
                 rows, keys0, ring_position, 1, first_masked, seqlen_k, causal_offset, qk_scale,
-                HEAD_DIM, BLOCK_N, STAGES, False, CAUSAL)
+                HEAD_DIM, BLOCK_N, STAGES, False, CAUSAL, EMULATED_EXP2)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
                 rows, keys0, ring_position, first_masked, num_kv_blocks, seqlen_k, causal_offset, qk_scale,
-                HEAD_DIM, BLOCK_N, STAGES, True, CAUSAL)
+                HEAD_DIM, BLOCK_N, STAGES, True, CAUSAL, EMULATED_EXP2)
             last = ring_position + num_kv_blocks - 1
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
@@ -255,47 +307,50 @@ def attention_forward_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Lse,
     num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale, num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
-    with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V)."""
-    num_m_blocks = gl.cdiv(seqlen_q, 2 * q_desc.block_type.shape[2])
+    with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 2 or 3."""
+    num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for consumer in gl.static_range(2):
+    for consumer in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(consumer), count=1)
         mbarrier.init(q_free.index(consumer), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
-        mbarrier.init(k_free.index(slot), count=2)  # one arrival per consumer
-        mbarrier.init(v_free.index(slot), count=2)
+        mbarrier.init(k_free.index(slot), count=CONSUMERS)  # one arrival per consumer
+        mbarrier.init(v_free.index(slot), count=CONSUMERS)
 
-    FIRST: gl.constexpr = 0
-    SECOND: gl.constexpr = 1
-    gl.warp_specialize(
-        [
-            (_consumer_partition, (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                                   o_desc, Lse, num_tiles, num_m_blocks, num_q_heads, group_size,
-                                   seqlen_q, seqlen_k, causal_offset, qk_scale,
-                                   FIRST, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_consumer_partition, (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                                   o_desc, Lse, num_tiles, num_m_blocks, num_q_heads, group_size,
-                                   seqlen_q, seqlen_k, causal_offset, qk_scale,
-                                   SECOND, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem,
-                               q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                               num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
-                               BLOCK_N, STAGES, CAUSAL)),
-        ],
-        worker_num_warps=[CONSUMER_WARPS, 1],
-        worker_num_regs=[232, 40],
-    )
+    shared = (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+              num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale)
+    load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                 num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset)
+    # The registers go to the consumers (setmaxnreg): the load warp needs few.
+    if CONSUMERS == 2:
+        gl.warp_specialize(
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, CAUSAL, CONSUMERS))],
+            worker_num_warps=[CONSUMER_WARPS, 1],
+            worker_num_regs=[232, 40],
+        )
+    else:
+        gl.warp_specialize(
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, CAUSAL, CONSUMERS))],
+            worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
+            worker_num_regs=[160, 160, 24],
+        )
