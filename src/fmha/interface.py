@@ -21,10 +21,11 @@ Supported
   and v (every case above). Gradients are deterministic: no atomics are used.
 * ``torch.compile(fullgraph=True)``: the ops are ``torch.library`` custom ops (``fmha::forward``,
   ``fmha::backward``) with fake implementations.
-* Kernels: on Hopper (sm_90), fp16/bf16 forwards with D = 64 or 128 above about 17 GFLOPs run a
-  warp-specialised Gluon kernel (``fmha.kernels.forward_hopper``; not at D = 64 with a causal
-  mask, where it is not faster); every other call, and every other GPU, runs the portable
-  Triton kernel with tuned tiles. Both give the same results within the error rule.
+* Kernels: on Hopper (sm_90), fp16/bf16 forwards with D = 64 or 128 of at least 2^32 FLOPs run a
+  warp-specialised Gluon kernel (``fmha.kernels.forward_hopper``; at D = 64 with a causal mask
+  only from 8k queries, below which it is not faster); every other call, and every other GPU,
+  runs the portable Triton kernel with tuned tiles. Both give the same results within the
+  error rule.
 
 Not yet supported (raise ``NotImplementedError``)
 -------------------------------------------------
