@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from types import MappingProxyType
 
 import torch
 
@@ -28,7 +29,7 @@ def _device_guard(tensor: torch.Tensor):
 HOPPER_MIN_FLOPS = 1 << 32
 
 
-def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> dict | None:
+def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> MappingProxyType | None:
     """Whether the default path runs the warp-specialised Hopper kernel, and with which options.
 
     ``None``: the portable Triton kernel; otherwise the keyword options of
@@ -56,11 +57,12 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> dict | N
     return _THREE_CONSUMERS if long_queries else _PERSISTENT_EMULATED_EXP2
 
 
-_PERSISTENT_GRID = {"persistent": True}
-_GRID = {"persistent": False}
-_GRID_EMULATED_EXP2 = {"persistent": False, "emulated_exp2": 8}
-_PERSISTENT_EMULATED_EXP2 = {"persistent": True, "emulated_exp2": 8}
-_THREE_CONSUMERS = {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}
+# Shared by every call that takes them, so read-only.
+_PERSISTENT_GRID = MappingProxyType({"persistent": True})
+_GRID = MappingProxyType({"persistent": False})
+_GRID_EMULATED_EXP2 = MappingProxyType({"persistent": False, "emulated_exp2": 8})
+_PERSISTENT_EMULATED_EXP2 = MappingProxyType({"persistent": True, "emulated_exp2": 8})
+_THREE_CONSUMERS = MappingProxyType({"persistent": True, "consumers": 3, "block_n": 64, "stages": 3})
 
 
 def run_forward(q, k, v, *, causal_offset: int | None, scale: float, naive: bool = False,
