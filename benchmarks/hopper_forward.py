@@ -66,17 +66,21 @@ def sdpa(backend, q, k, v, causal):
 
 
 def variants_for(head_dim, causal):
-    """(name, launch_forward_hopper options): the default path's choice, then the alternatives."""
-    default = {"persistent": not causal}
-    variants = [("gluon", default),
-                ("gluon persistent" if causal else "gluon grid", {"persistent": causal}),
-                ("emulated exp2 1/8", {**default, "emulated_exp2": 8}),
-                ("emulated exp2 1/4", {**default, "emulated_exp2": 4})]
-    if head_dim == 64:
-        variants += [("3 consumers n64 s3", {**default, "consumers": 3, "block_n": 64, "stages": 3}),
-                     ("3 consumers n64 s3 emu 1/8", {**default, "consumers": 3, "block_n": 64, "stages": 3,
-                                                     "emulated_exp2": 8})]
-    return variants
+    """(name, launch_forward_hopper options): the default path's choices, then the alternatives."""
+    if causal:
+        base = {"persistent": False, **({"emulated_exp2": 8} if head_dim == 64 else {})}
+        paired = {**base, "persistent": True}
+        variants = [("grid", base), ("persistent paired", paired),
+                    ("persistent paired q2", {**paired, "q_buffers": 2})]
+        if head_dim == 64:
+            variants.append(("persistent paired q2 n64", {**paired, "q_buffers": 2, "block_n": 64}))
+        return variants
+    if head_dim == 128:
+        return [("persistent", {"persistent": True}), ("persistent q2", {"persistent": True, "q_buffers": 2})]
+    three = {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}
+    emulated = {"persistent": True, "emulated_exp2": 8}
+    return [("emulated exp2 1/8", emulated), ("emulated exp2 1/8 q2", {**emulated, "q_buffers": 2}),
+            ("3 consumers n64 s3", three), ("3 consumers n64 s3 q2", {**three, "q_buffers": 2})]
 
 
 def main():
@@ -87,9 +91,9 @@ def main():
     payload = {"environment": environment(), "rows": []}
     if not args.skip_check:
         payload["correctness_failures"] = check_correctness([
-            ("persistent", {"persistent": True}), ("grid", {"persistent": False}),
-            ("emulated exp2 1/8", {"emulated_exp2": 8}), ("emulated exp2 1/2", {"emulated_exp2": 2}),
-            ("3 consumers n64 s3", {"consumers": 3, "block_n": 64, "stages": 3})])
+            ("persistent", {"persistent": True}), ("persistent q2", {"persistent": True, "q_buffers": 2}),
+            ("grid q2", {"persistent": False, "q_buffers": 2}),
+            ("3 consumers q2", {"consumers": 3, "block_n": 64, "stages": 3, "q_buffers": 2})])
     for case in cases.seeds() + cases.std():
         q, k, v = make_inputs(case, torch.bfloat16)
         offset = case.seqlen_k - case.seqlen_q if case.causal else None

@@ -88,6 +88,8 @@ HOPPER_SCHEDULES = {  # launch_forward_hopper options; names without spaces (tes
     "emulated_exp2_1_in_8": {"emulated_exp2": 8},
     "emulated_exp2_1_in_2": {"emulated_exp2": 2},
     "three_consumers": {"consumers": 3, "block_n": 64, "stages": 3},
+    "persistent_two_q_buffers": {"persistent": True, "q_buffers": 2},
+    "persistent_two_q_buffers_exp2_1_in_8": {"persistent": True, "q_buffers": 2, "emulated_exp2": 8},
 }
 
 

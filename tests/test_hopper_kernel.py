@@ -30,23 +30,24 @@ from triton.tools.disasm import get_sass
 from fmha import launch
 
 report = {}
-for head_dim, causal, consumers, block_n, stages, emulated_exp2 in json.loads(sys.argv[1]):
+for head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers in json.loads(sys.argv[1]):
     # The very source and signature the launcher compiles on a GPU.
     source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, block_n, stages, causal, consumers,
-                                              emulated_exp2)
+                                              emulated_exp2, q_buffers)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     sass = get_sass(compiled.asm["cubin"])
-    report[",".join(map(str, (head_dim, causal, consumers, block_n, stages, emulated_exp2)))] = {
+    report[",".join(map(str, (head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers)))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
         "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared}
 print(json.dumps(report))
 """
 
-# (head_dim, causal, consumers, block_n, stages, emulated_exp2): the default path's choices, and
-# D=64 without the emulated exponentials for comparison.
-VARIANTS = [(64, False, 2, 128, 2, 8), (64, True, 2, 128, 2, 8), (128, False, 2, 128, 2, 0), (128, True, 2, 128, 2, 0),
-            (64, False, 3, 64, 3, 0), (64, False, 2, 128, 2, 0)]
+# (head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers): the default path's
+# choices, and D=64 without the emulated exponentials for comparison.
+VARIANTS = [(64, False, 2, 128, 2, 8, 2), (64, True, 2, 128, 2, 8, 2), (64, True, 2, 128, 2, 8, 1),
+            (128, False, 2, 128, 2, 0, 1), (128, True, 2, 128, 2, 0, 2), (128, True, 2, 128, 2, 0, 1),
+            (64, False, 3, 64, 3, 0, 1), (64, False, 2, 128, 2, 0, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def hopper_builds():
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
-    head_dim, causal, consumers, block_n, stages, emulated_exp2 = variant
+    head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers = variant
     build = hopper_builds[",".join(map(str, variant))]
     counts = build["counts"]
     assert counts["HGMMA"] > 0, "expected warpgroup MMAs"
@@ -74,9 +75,19 @@ def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
 
 def test_emulated_exponentials_leave_the_mufu_unit(hopper_builds):
     """One exponential in eight computed by polynomial: fewer MUFU.EX2 in the SASS."""
-    plain = hopper_builds["64,False,2,128,2,0"]["counts"]["MUFU.EX2"]
-    emulated = hopper_builds["64,False,2,128,2,8"]["counts"]["MUFU.EX2"]
+    plain = hopper_builds["64,False,2,128,2,0,1"]["counts"]["MUFU.EX2"]
+    emulated = hopper_builds["64,False,2,128,2,8,2"]["counts"]["MUFU.EX2"]
     assert emulated < plain
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_second_q_buffer_per_consumer(hopper_builds, head_dim):
+    """Two Q buffers: one more 64-row Q tile per consumer in shared memory (and its two barriers)."""
+    extra = 2 * 64 * head_dim * 2
+    options = "2,128,2,8" if head_dim == 64 else "2,128,2,0"
+    one = hopper_builds[f"{head_dim},True,{options},1"]["shared"]
+    two = hopper_builds[f"{head_dim},True,{options},2"]["shared"]
+    assert extra <= two - one < extra + 1024
 
 
 def test_not_applicable_off_hopper():
@@ -93,12 +104,14 @@ def test_plan_follows_the_measurements(monkeypatch):
         return ops.hopper_forward_plan(q, q, q, q, scale=0.1, causal=causal)
 
     assert plan(1024, 128, causal=False) == {"persistent": True}
-    assert plan(1024, 128, causal=True) == {"persistent": False}
-    assert plan(1024, 64, causal=False) == {"persistent": True, "emulated_exp2": 8}
+    assert plan(1024, 128, causal=True) == {"persistent": True, "q_buffers": 2}
+    assert plan(16384, 128, causal=True) == {"persistent": False}
+    assert plan(1024, 64, causal=False) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
     assert plan(16384, 64, causal=False) == {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}
     assert plan(1024, 64, causal=True) is None
+    assert plan(4096, 64, causal=True) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
     assert plan(16384, 64, causal=True) == {"persistent": False, "emulated_exp2": 8}
-    assert plan(1024, 64, causal=False, batch=1) == {"persistent": True, "emulated_exp2": 8}
+    assert plan(1024, 64, causal=False, batch=1) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
     assert plan(512, 64, causal=False, batch=1) is None  # the portable kernel's small tiles
 
 

@@ -118,7 +118,7 @@ _HOPPER_INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "ca
 
 
 def hopper_forward_source(dtype: torch.dtype, head_dim: int, block_n: int, stages: int, causal: bool,
-                          consumers: int, emulated_exp2: int):
+                          consumers: int, emulated_exp2: int, q_buffers: int = 1):
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
@@ -129,7 +129,8 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, block_n: int, stage
         return f"tensordesc<{element}[1,1,{rows},{head_dim}],{_hopper_layout(rows, head_dim, dtype)!r}>"
 
     constants = {"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
-                 "CONSUMERS": consumers, "EMULATED_EXP2": emulated_exp2}
+                 "CONSUMERS": consumers, "EMULATED_EXP2": emulated_exp2,
+                 "Q_BUFFERS": q_buffers}
     signature = {"q_desc": descriptor_type(HOPPER_CONSUMER_ROWS), "k_desc": descriptor_type(block_n),
                  "v_desc": descriptor_type(block_n), "o_desc": descriptor_type(HOPPER_CONSUMER_ROWS),
                  "Lse": "*fp32", **dict.fromkeys(_HOPPER_INTEGER_ARGS, "i32"), "qk_scale": "fp32",
@@ -153,18 +154,20 @@ def _compiled_hopper_forward(device: torch.device, *static_config):
 
 def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
                           block_n: int = 128, stages: int = 2, persistent: bool = True, consumers: int = 2,
-                          emulated_exp2: int = 0):
+                          emulated_exp2: int = 0, q_buffers: int = 1):
     """The Gluon forward (see :func:`hopper_forward_applies`); same outputs as :func:`launch_forward`.
 
     ``persistent``: one program per multiprocessor walks the tiles (the next tile's loads overlap
     the current tile's end); otherwise one program per tile. ``consumers``: 2 or 3 warpgroups of
     64 query rows per tile. ``emulated_exp2`` (0, 2, 4 or 8): one exponential in that many is
-    computed on the FMA units (:mod:`fmha.kernels.forward_hopper`). Returns the compiled kernel.
+    computed on the FMA units (:mod:`fmha.kernels.forward_hopper`). ``q_buffers`` 2: each consumer's
+    next Q tile loads while it works on the current one. Returns the compiled kernel.
     """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     compiled, constants = _compiled_hopper_forward(q.device, q.dtype, head_dim, block_n, stages,
-                                                   causal_offset is not None, consumers, emulated_exp2)
+                                                   causal_offset is not None, consumers, emulated_exp2,
+                                                   q_buffers)
     num_tiles = -(-seqlen_q // (consumers * HOPPER_CONSUMER_ROWS)) * batch * num_q_heads
     grid = min(num_tiles, _resident_programs(q.device)) if persistent else num_tiles
     args = (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out), lse,

@@ -35,33 +35,39 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> MappingP
     ``None``: the portable Triton kernel; otherwise the keyword options of
     ``launch_forward_hopper``. Measured on the H100 (docs/perf.md, "The Hopper kernel"):
 
-    * D=128: two consumers; the persistent grid pays without a mask and loses with one (causal
-      tiles of unequal length, dealt round-robin).
+    * D=128: two consumers on the persistent grid. With a causal mask, tiles pair up longest with
+      shortest per program and each consumer's next Q loads early (two Q buffers) below 8k
+      queries; from 8k, one program per tile (the hardware balances the long tiles better).
     * D=64 without a mask: one exponential in eight on the FMA units (the MUFU unit paces the
-      softmax there); from 8k queries, three 64-row consumers with 64-key blocks instead.
-    * D=64 causal: the Hopper kernel (exponentials as above) only from 8k queries; below, the
-      portable kernel is faster.
+      softmax there) and two Q buffers; from 8k queries, three 64-row consumers with 64-key
+      blocks instead.
+    * D=64 causal: from 4k queries the Hopper kernel (exponentials as above; paired persistent
+      tiles with two Q buffers below 8k, one program per tile from 8k); below 4k the portable
+      kernel is faster.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     long_queries = seqlen_q >= 8192
     # The cheap integer tests first: this runs on every default-path call.
-    if (causal and head_dim == 64 and not long_queries
+    if (causal and head_dim == 64 and seqlen_q < 4096
             or 4 * batch * heads * seqlen_q * k.shape[2] * head_dim < HOPPER_MIN_FLOPS):
         return None
     if not hopper_forward_applies(q, k, v, out, scale):
         return None
     if head_dim == 128:
-        return _PERSISTENT_GRID if not causal else _GRID
+        if not causal:
+            return _PERSISTENT_GRID
+        return _GRID if long_queries else _TWO_Q_BUFFERS
     if causal:
-        return _GRID_EMULATED_EXP2
-    return _THREE_CONSUMERS if long_queries else _PERSISTENT_EMULATED_EXP2
+        return _GRID_EMULATED_EXP2 if long_queries else _TWO_Q_BUFFERS_EMULATED_EXP2
+    return _THREE_CONSUMERS if long_queries else _TWO_Q_BUFFERS_EMULATED_EXP2
 
 
 # Shared by every call that takes them, so read-only.
 _PERSISTENT_GRID = MappingProxyType({"persistent": True})
 _GRID = MappingProxyType({"persistent": False})
+_TWO_Q_BUFFERS = MappingProxyType({"persistent": True, "q_buffers": 2})
 _GRID_EMULATED_EXP2 = MappingProxyType({"persistent": False, "emulated_exp2": 8})
-_PERSISTENT_EMULATED_EXP2 = MappingProxyType({"persistent": True, "emulated_exp2": 8})
+_TWO_Q_BUFFERS_EMULATED_EXP2 = MappingProxyType({"persistent": True, "q_buffers": 2, "emulated_exp2": 8})
 _THREE_CONSUMERS = MappingProxyType({"persistent": True, "consumers": 3, "block_n": 64, "stages": 3})
 
 

@@ -15,7 +15,11 @@ which Triton's automatic pipeliner does not reach on this chip:
   tensor cores while it waits, and the softmax of block j runs while P·V of block j-1 finishes;
 * the consumers run independently, so one's softmax overlaps another's matrix products;
 * while the consumers finish a tile (last P·V, normalisation, output store), the load warp
-  already fetches the next tile's Q, K and V: the per-tile start-up is hidden.
+  already fetches the next tile's Q, K and V: the per-tile start-up is hidden. With Q_BUFFERS = 2
+  each consumer has a second Q buffer, so its next Q is loaded while it still works on the
+  current tile rather than after it;
+* persistent causal programs take their tiles in pairs, the longest and the shortest query
+  block of a head, so that every program gets the same number of key blocks.
 
 EMULATED_EXP2 = k computes one exponential in every k on the FMA units (a cubic polynomial,
 relative error 1e-4, far below the 16-bit rounding of P) instead of the MUFU unit, whose 16
@@ -95,15 +99,32 @@ def _exp2(x, EMULATED_EXP2: gl.constexpr):
 
 
 @gluon.jit
-def _tile_coordinates(tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
+def _tile_coordinates(tile, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Tile t covers query block t % num_m_blocks of (batch, head) t // num_m_blocks: the query
-    blocks of one head run side by side and share K/V in L2. Causal blocks run longest first
-    within a head (the last rows see the most keys), so the short tiles fill the tail of the wave."""
-    batch_head = tile // num_m_blocks
+    blocks of one head run side by side and share K/V in L2.
+
+    Causal tiles differ in length (the last rows see the most keys). With one program per tile
+    they run longest first within a head, so the short tiles fill the tail of the wave. A
+    persistent program walks tiles t, t + P, t + 2P, ...: its tiles of rounds 2r and 2r + 1 are
+    then made one pair, the longest and the shortest query block left in a head (m and M - 1 - m),
+    so every pair, and every program, has the same number of key blocks."""
     m_block = tile % num_m_blocks
     if CAUSAL:
-        m_block = num_m_blocks - 1 - m_block
+        programs = gl.num_programs(0)
+        paired_tiles = num_tiles // (2 * programs) * (2 * programs)
+        if paired_tiles > 0:
+            if tile < paired_tiles:
+                round_ = tile // programs
+                tile = 2 * ((round_ // 2) * programs + tile % programs) + round_ % 2
+            local = tile % num_m_blocks
+            if local % 2 == 0:
+                m_block = num_m_blocks - 1 - local // 2
+            else:
+                m_block = local // 2
+        else:
+            m_block = num_m_blocks - 1 - m_block
+    batch_head = tile // num_m_blocks
     head = batch_head % num_q_heads
     first_row = m_block * BLOCK_M
     # The key range of fmha.kernels.common._key_range, written out: under TRITON_INTERPRET=1 that
@@ -127,18 +148,21 @@ def _load_partition(
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset) = args
     consumer_rows: gl.constexpr = q_desc.block_type.shape[2]
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     ring_position = 0  # K/V blocks loaded so far, over all tiles: slot and phase of the next one
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
-            tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
+            tile, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
             CONSUMERS * consumer_rows, BLOCK_N, CAUSAL)
+        q_phase = (tile_count // Q_BUFFERS) & 1
         for consumer in gl.static_range(CONSUMERS):
+            q_slot = consumer * Q_BUFFERS + tile_count % Q_BUFFERS
             # A free barrier completes once per use; the first wait finds it free.
-            mbarrier.wait(q_free.index(consumer), (tile_count & 1) ^ 1)
-            mbarrier.expect(q_ready.index(consumer), q_desc.block_type.nbytes)
+            mbarrier.wait(q_free.index(q_slot), q_phase ^ 1)
+            mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [batch, head, first_row + consumer * consumer_rows, 0],
-                                            q_ready.index(consumer), q_smem.index(consumer))
+                                            q_ready.index(q_slot), q_smem.index(q_slot))
         for block in range(num_kv_blocks):
             position = ring_position + block
             slot = position % STAGES
@@ -243,19 +267,21 @@ def _consumer_partition(
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
-    q = q_smem.index(CONSUMER).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     ring_position = 0
     tile_count = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
-            tile, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
+            tile, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
             CONSUMERS * ROWS, BLOCK_N, CAUSAL)
         row0 = first_row + CONSUMER * ROWS
         rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
         row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
         row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        mbarrier.wait(q_ready.index(CONSUMER), tile_count & 1)
+        q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
+        mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
+        q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
         if num_kv_blocks > 0:
             # Block 0: scores and probabilities; its P·V is issued with block 1's Q·Kᵀ.
             slot = ring_position % STAGES
@@ -285,7 +311,7 @@ def _consumer_partition(
             acc = warpgroup_mma(p, v, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_free.index(last_slot), count=1)
-        mbarrier.arrive(q_free.index(CONSUMER), count=1)  # the load warp may fetch the next tile's Q
+        mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
 
         # Rows that saw no key: output 0 and LSE -inf, never 0/0.
         seen = row_sum > 0.0
@@ -307,25 +333,25 @@ def attention_forward_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Lse,
     num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale, num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+    CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
     with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 2 or 3."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for consumer in gl.static_range(CONSUMERS):
-        mbarrier.init(q_ready.index(consumer), count=1)
-        mbarrier.init(q_free.index(consumer), count=1)
+    for q_slot in gl.static_range(CONSUMERS * Q_BUFFERS):
+        mbarrier.init(q_ready.index(q_slot), count=1)
+        mbarrier.init(q_free.index(q_slot), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
