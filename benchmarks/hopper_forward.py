@@ -68,18 +68,17 @@ def sdpa(backend, q, k, v, causal):
 def variants_for(head_dim, causal):
     """(name, launch_forward_hopper options): the default path's choices, then the alternatives."""
     if causal:
-        base = {"persistent": False, **({"emulated_exp2": 8} if head_dim == 64 else {})}
-        paired = {**base, "persistent": True}
-        variants = [("grid", base), ("persistent paired", paired),
-                    ("persistent paired q2", {**paired, "q_buffers": 2})]
+        paired = {"persistent": True, "q_buffers": 2, **({"emulated_exp2": 8} if head_dim == 64 else {})}
+        variants = [("grid", {**paired, "persistent": False, "q_buffers": 1}), ("persistent paired q2", paired)]
         if head_dim == 64:
-            variants.append(("persistent paired q2 n64", {**paired, "q_buffers": 2, "block_n": 64}))
+            variants += [("persistent paired q2 s3", {**paired, "stages": 3}),
+                         ("persistent paired q2 n64 s4", {**paired, "block_n": 64, "stages": 4})]
         return variants
     if head_dim == 128:
         return [("persistent", {"persistent": True}), ("persistent q2", {"persistent": True, "q_buffers": 2})]
     three = {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}
-    emulated = {"persistent": True, "emulated_exp2": 8}
-    return [("emulated exp2 1/8", emulated), ("emulated exp2 1/8 q2", {**emulated, "q_buffers": 2}),
+    emulated = {"persistent": True, "emulated_exp2": 8, "q_buffers": 2}
+    return [("emulated exp2 1/8 q2", emulated), ("emulated exp2 1/8 q2 s3", {**emulated, "stages": 3}),
             ("3 consumers n64 s3", three), ("3 consumers n64 s3 q2", {**three, "q_buffers": 2})]
 
 
@@ -91,9 +90,9 @@ def main():
     payload = {"environment": environment(), "rows": []}
     if not args.skip_check:
         payload["correctness_failures"] = check_correctness([
-            ("persistent", {"persistent": True}), ("persistent q2", {"persistent": True, "q_buffers": 2}),
-            ("grid q2", {"persistent": False, "q_buffers": 2}),
-            ("3 consumers q2", {"consumers": 3, "block_n": 64, "stages": 3, "q_buffers": 2})])
+            ("persistent q2", {"persistent": True, "q_buffers": 2}),
+            ("persistent q2 s3", {"persistent": True, "q_buffers": 2, "stages": 3}),
+            ("grid q2", {"persistent": False, "q_buffers": 2})])
     for case in cases.seeds() + cases.std():
         q, k, v = make_inputs(case, torch.bfloat16)
         offset = case.seqlen_k - case.seqlen_q if case.causal else None
