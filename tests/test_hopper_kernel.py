@@ -46,7 +46,7 @@ print(json.dumps(report))
 # (head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers): the default path's
 # choices, and D=64 without the emulated exponentials for comparison.
 VARIANTS = [(64, False, 2, 128, 2, 8, 2), (64, True, 2, 128, 2, 8, 2), (64, True, 2, 128, 2, 8, 1),
-            (128, False, 2, 128, 2, 0, 1), (128, True, 2, 128, 2, 0, 2), (128, True, 2, 128, 2, 0, 1),
+            (128, False, 2, 128, 2, 0, 2), (128, True, 2, 128, 2, 0, 2), (128, True, 2, 128, 2, 0, 1),
             (64, False, 3, 64, 3, 0, 1), (64, False, 2, 128, 2, 0, 1)]
 
 
@@ -103,7 +103,8 @@ def test_plan_follows_the_measurements(monkeypatch):
         q = torch.empty(1).expand(batch, 16, seqlen, head_dim)
         return ops.hopper_forward_plan(q, q, q, q, scale=0.1, causal=causal)
 
-    assert plan(1024, 128, causal=False) == {"persistent": True}
+    assert plan(1024, 128, causal=False) == {"persistent": True, "q_buffers": 2}
+    assert plan(16384, 128, causal=False) == {"persistent": True}
     assert plan(1024, 128, causal=True) == {"persistent": True, "q_buffers": 2}
     assert plan(16384, 128, causal=True) == {"persistent": False}
     assert plan(1024, 64, causal=False) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}

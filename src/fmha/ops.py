@@ -35,9 +35,10 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> MappingP
     ``None``: the portable Triton kernel; otherwise the keyword options of
     ``launch_forward_hopper``. Measured on the H100 (docs/perf.md, "The Hopper kernel"):
 
-    * D=128: two consumers on the persistent grid. With a causal mask, tiles pair up longest with
-      shortest per program and each consumer's next Q loads early (two Q buffers) below 8k
-      queries; from 8k, one program per tile (the hardware balances the long tiles better).
+    * D=128: two consumers on the persistent grid; below 8k queries each consumer's next Q loads
+      early (two Q buffers) and causal tiles pair up longest with shortest per program. From 8k
+      queries one Q buffer, and with a causal mask one program per tile (the hardware balances
+      the long tiles better).
     * D=64 without a mask: one exponential in eight on the FMA units (the MUFU unit paces the
       softmax there) and two Q buffers; from 8k queries, three 64-row consumers with 64-key
       blocks instead.
@@ -54,9 +55,9 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> MappingP
     if not hopper_forward_applies(q, k, v, out, scale):
         return None
     if head_dim == 128:
-        if not causal:
-            return _PERSISTENT_GRID
-        return _GRID if long_queries else _TWO_Q_BUFFERS
+        if long_queries:
+            return _GRID if causal else _PERSISTENT_GRID
+        return _TWO_Q_BUFFERS
     if causal:
         return _GRID_EMULATED_EXP2 if long_queries else _TWO_Q_BUFFERS_EMULATED_EXP2
     return _THREE_CONSUMERS if long_queries else _TWO_Q_BUFFERS_EMULATED_EXP2
