@@ -336,7 +336,7 @@ def attention_forward_hopper_kernel(
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
-    with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 2 or 3."""
+    with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 2 or 3, Q_BUFFERS 1 or 2."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
