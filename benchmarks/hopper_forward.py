@@ -39,7 +39,7 @@ def check_correctness(variants):
     failures = 0
     for (batch, hq, hkv, sq, sk, d, layout), causal, dtype, (name, options) in itertools.product(
             shapes, [False, True], [torch.bfloat16, torch.float16], variants):
-        if (options.get("consumers") == 3 or options.get("early_scores")) and d != 64:
+        if options.get("consumers") == 3 and d != 64:
             continue
         generator = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
         q, k, v = random_qkv(batch, hq, hkv, sq, sk, d, dtype, device="cuda", layout=layout, generator=generator)
@@ -69,20 +69,12 @@ def variants_for(head_dim, causal):
     """(name, launch_forward_hopper options): the default path's choices, then the alternatives."""
     emulated = {"emulated_exp2": 8} if head_dim == 64 else {}
     if causal:
-        paired = {"persistent": True, "q_buffers": 2, **emulated}
-        variants = [("grid", {"persistent": False, **emulated}), ("persistent paired q2", paired),
-                    ("paired tail q2", {**paired, "pair_tail": True})]
-        if head_dim == 64:
-            variants += [("paired tail q2 early", {**paired, "pair_tail": True, "early_scores": True}),
-                         ("grid early", {"persistent": False, **emulated, "early_scores": True})]
-        return variants
+        return [("grid", {"persistent": False, **emulated}),
+                ("persistent paired q2", {"persistent": True, "q_buffers": 2, **emulated})]
     if head_dim == 128:
-        return [("persistent q2", {"persistent": True, "q_buffers": 2})]
-    three = {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}
-    two = {"persistent": True, "emulated_exp2": 8, "q_buffers": 2}
-    return [("emulated exp2 1/8 q2", two), ("emulated exp2 1/8 q2 early", {**two, "early_scores": True}),
-            ("3 consumers n64 s3", three), ("3 consumers n64 s3 early", {**three, "early_scores": True}),
-            ("3 consumers n64 s3 q2 exp2 early", {**three, "q_buffers": 2, "emulated_exp2": 8, "early_scores": True})]
+        return [("persistent", {"persistent": True}), ("persistent q2", {"persistent": True, "q_buffers": 2})]
+    return [("emulated exp2 1/8 q2", {"persistent": True, "emulated_exp2": 8, "q_buffers": 2}),
+            ("3 consumers n64 s3", {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3})]
 
 
 def main():
@@ -94,12 +86,9 @@ def main():
     if not args.skip_check:
         payload["correctness_failures"] = check_correctness([
             ("persistent q2", {"persistent": True, "q_buffers": 2}),
-            ("paired tail q2", {"persistent": True, "q_buffers": 2, "pair_tail": True}),
-            ("early q2 exp2", {"persistent": True, "q_buffers": 2, "emulated_exp2": 8, "early_scores": True,
-                               "pair_tail": True}),
-            ("early grid", {"persistent": False, "early_scores": True}),
-            ("early 3 consumers", {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3,
-                                   "early_scores": True})])
+            ("persistent q2 exp2", {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}),
+            ("grid", {"persistent": False}),
+            ("3 consumers", {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3})])
     for case in cases.seeds() + cases.std():
         q, k, v = make_inputs(case, torch.bfloat16)
         offset = case.seqlen_k - case.seqlen_q if case.causal else None

@@ -110,3 +110,23 @@ def test_hopper_kernel_schedules(dtype, head_dim, causal, schedule):
     launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(head_dim),
                           **HOPPER_SCHEDULES[schedule])
     assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300), (1, 5, 5, 300, 300), (7, 1, 1, 1100, 1100), (2, 3, 1, 640, 900)],
+                         ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_causal_pairs_cover_every_tile(head_dim, shape):
+    """Persistent causal programs walk pairs of tiles: odd tile counts (the last pair is one tile),
+    pairs that straddle two heads (odd query blocks per head) and fewer pairs than multiprocessors."""
+    from fmha.launch import default_scale, hopper_forward_applies, launch_forward_hopper
+
+    batch, q_heads, kv_heads, seqlen_q, seqlen_k = shape
+    q, k, v = random_qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    if not hopper_forward_applies(q, k, v, out, 1.0):
+        pytest.skip("needs an sm_90 GPU")
+    offset = seqlen_k - seqlen_q
+    launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(head_dim),
+                          persistent=True, q_buffers=2)
+    assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)

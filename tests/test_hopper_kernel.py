@@ -108,7 +108,7 @@ def test_plan_follows_the_measurements(monkeypatch):
     assert plan(1024, 128, causal=True) == {"persistent": True, "q_buffers": 2}
     assert plan(16384, 128, causal=True) == {"persistent": False}
     assert plan(1024, 64, causal=False) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
-    assert plan(16384, 64, causal=False) == {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}
+    assert plan(16384, 64, causal=False) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
     assert plan(1024, 64, causal=True) is None
     assert plan(4096, 64, causal=True) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
     assert plan(16384, 64, causal=True) == {"persistent": False, "emulated_exp2": 8}

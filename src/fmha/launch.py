@@ -118,8 +118,7 @@ _HOPPER_INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "ca
 
 
 def hopper_forward_source(dtype: torch.dtype, head_dim: int, block_n: int, stages: int, causal: bool,
-                          consumers: int, emulated_exp2: int, q_buffers: int = 1, early_scores: bool = False,
-                          pair_tail: bool = False):
+                          consumers: int, emulated_exp2: int, q_buffers: int = 1):
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
@@ -131,7 +130,7 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, block_n: int, stage
 
     constants = {"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
                  "CONSUMERS": consumers, "EMULATED_EXP2": emulated_exp2,
-                 "Q_BUFFERS": q_buffers, "EARLY_SCORES": early_scores, "PAIR_TAIL": pair_tail}
+                 "Q_BUFFERS": q_buffers}
     signature = {"q_desc": descriptor_type(HOPPER_CONSUMER_ROWS), "k_desc": descriptor_type(block_n),
                  "v_desc": descriptor_type(block_n), "o_desc": descriptor_type(HOPPER_CONSUMER_ROWS),
                  "Lse": "*fp32", **dict.fromkeys(_HOPPER_INTEGER_ARGS, "i32"), "qk_scale": "fp32",
@@ -155,8 +154,7 @@ def _compiled_hopper_forward(device: torch.device, *static_config):
 
 def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
                           block_n: int = 128, stages: int = 2, persistent: bool = True, consumers: int = 2,
-                          emulated_exp2: int = 0, q_buffers: int = 1, early_scores: bool = False,
-                          pair_tail: bool = False):
+                          emulated_exp2: int = 0, q_buffers: int = 1):
     """The Gluon forward (see :func:`hopper_forward_applies`); same outputs as :func:`launch_forward`.
 
     ``persistent``: one program per multiprocessor walks the tiles (the next tile's loads overlap
@@ -169,11 +167,11 @@ def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     compiled, constants = _compiled_hopper_forward(q.device, q.dtype, head_dim, block_n, stages,
                                                    causal_offset is not None, consumers, emulated_exp2,
-                                                   q_buffers, early_scores, pair_tail)
+                                                   q_buffers)
     num_tiles = -(-seqlen_q // (consumers * HOPPER_CONSUMER_ROWS)) * batch * num_q_heads
     if not persistent:
         grid = num_tiles
-    elif pair_tail and causal_offset is not None:
+    elif causal_offset is not None:
         grid = min((num_tiles + 1) // 2, _resident_programs(q.device))  # programs walk pairs of tiles
     else:
         grid = min(num_tiles, _resident_programs(q.device))

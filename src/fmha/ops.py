@@ -40,8 +40,8 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> MappingP
       queries one Q buffer, and with a causal mask one program per tile (the hardware balances
       the long tiles better).
     * D=64 without a mask: one exponential in eight on the FMA units (the MUFU unit paces the
-      softmax there) and two Q buffers; from 8k queries, three 64-row consumers with 64-key
-      blocks instead.
+      softmax there) and two Q buffers, at every length (three 64-row consumers were slower in
+      six rounds out of six at 16k queries).
     * D=64 causal: from 4k queries the Hopper kernel (exponentials as above; paired persistent
       tiles with two Q buffers below 8k, one program per tile from 8k); below 4k the portable
       kernel is faster.
@@ -58,9 +58,9 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> MappingP
         if long_queries:
             return _GRID if causal else _PERSISTENT_GRID
         return _TWO_Q_BUFFERS
-    if causal:
-        return _GRID_EMULATED_EXP2 if long_queries else _TWO_Q_BUFFERS_EMULATED_EXP2
-    return _THREE_CONSUMERS if long_queries else _TWO_Q_BUFFERS_EMULATED_EXP2
+    if causal and long_queries:
+        return _GRID_EMULATED_EXP2
+    return _TWO_Q_BUFFERS_EMULATED_EXP2
 
 
 # Shared by every call that takes them, so read-only.
@@ -69,7 +69,6 @@ _GRID = MappingProxyType({"persistent": False})
 _TWO_Q_BUFFERS = MappingProxyType({"persistent": True, "q_buffers": 2})
 _GRID_EMULATED_EXP2 = MappingProxyType({"persistent": False, "emulated_exp2": 8})
 _TWO_Q_BUFFERS_EMULATED_EXP2 = MappingProxyType({"persistent": True, "q_buffers": 2, "emulated_exp2": 8})
-_THREE_CONSUMERS = MappingProxyType({"persistent": True, "consumers": 3, "block_n": 64, "stages": 3})
 
 
 def run_forward(q, k, v, *, causal_offset: int | None, scale: float, naive: bool = False,

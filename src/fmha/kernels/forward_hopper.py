@@ -109,59 +109,45 @@ def _paired(num_tiles, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _program_steps(num_tiles, CAUSAL: gl.constexpr, PAIR_TAIL: gl.constexpr):
+def _program_steps(num_tiles, CAUSAL: gl.constexpr):
     """How many tiles this program walks."""
     programs = gl.num_programs(0)
     program = gl.program_id(0)
     steps = gl.cdiv(num_tiles - program, programs)
-    if PAIR_TAIL:
-        if _paired(num_tiles, CAUSAL):
-            # Pair slots program, program + P, ... of cdiv(num_tiles, 2); the last pair of an odd count is one tile.
-            num_pairs = (num_tiles + 1) // 2
-            slots = gl.cdiv(num_pairs - program, programs)
-            last_slot = program + (slots - 1) * programs
-            steps = 2 * slots - ((last_slot == num_pairs - 1) & (num_tiles % 2 == 1)).to(gl.int32)
+    if _paired(num_tiles, CAUSAL):
+        # Pairs program, program + P, ... of cdiv(num_tiles, 2); the last pair of an odd count is one tile.
+        num_pairs = (num_tiles + 1) // 2
+        slots = gl.cdiv(num_pairs - program, programs)
+        last_slot = program + (slots - 1) * programs
+        steps = 2 * slots - ((last_slot == num_pairs - 1) & (num_tiles % 2 == 1)).to(gl.int32)
     return steps
 
 
 @gluon.jit
 def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIR_TAIL: gl.constexpr):
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """The program's step-th tile. Tile t covers query block t % num_m_blocks of (batch, head)
     t // num_m_blocks: the query blocks of one head run side by side and share K/V in L2.
 
     Causal tiles differ in length (the last rows see the most keys). With one program per tile
     they run longest first within a head, so the short tiles fill the tail of the wave. A
     persistent program takes them in pairs, the longest and the shortest query block left in a
-    head (m and M - 1 - m), so every pair, and every program, has the same number of key blocks:
-    program p walks pairs p, p + P, p + 2P, ... of the ceil(T / 2) pairs."""
+    head (m and M - 1 - m), so that every pair, and every program, has the same number of key
+    blocks: program p walks pairs p, p + P, p + 2P, ... of the cdiv(T, 2) pairs, the last one too
+    (dealing the remainder out as single tiles left some programs twice the work of others)."""
     programs = gl.num_programs(0)
     tile = gl.program_id(0) + step * programs
     m_block = tile % num_m_blocks
     if CAUSAL:
-        if PAIR_TAIL:
-            if _paired(num_tiles, CAUSAL):
-                tile = 2 * (gl.program_id(0) + (step // 2) * programs) + step % 2
-                local = tile % num_m_blocks
-                if local % 2 == 0:
-                    m_block = num_m_blocks - 1 - local // 2
-                else:
-                    m_block = local // 2
+        if _paired(num_tiles, CAUSAL):
+            tile = 2 * (gl.program_id(0) + (step // 2) * programs) + step % 2
+            local = tile % num_m_blocks
+            if local % 2 == 0:
+                m_block = num_m_blocks - 1 - local // 2
             else:
-                m_block = num_m_blocks - 1 - m_block
+                m_block = local // 2
         else:
-            paired_tiles = num_tiles // (2 * programs) * (2 * programs)
-            if paired_tiles > 0:
-                if tile < paired_tiles:
-                    round_ = tile // programs
-                    tile = 2 * ((round_ // 2) * programs + tile % programs) + round_ % 2
-                local = tile % num_m_blocks
-                if local % 2 == 0:
-                    m_block = num_m_blocks - 1 - local // 2
-                else:
-                    m_block = local // 2
-            else:
-                m_block = num_m_blocks - 1 - m_block
+            m_block = num_m_blocks - 1 - m_block
     batch_head = tile // num_m_blocks
     head = batch_head % num_q_heads
     first_row = m_block * BLOCK_M
@@ -182,7 +168,6 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
 def _load_partition(
     args,  # unpacked below
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
-    PAIR_TAIL: gl.constexpr,
 ):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
      num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset) = args
@@ -190,10 +175,10 @@ def _load_partition(
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     ring_position = 0  # K/V blocks loaded so far, over all tiles: slot and phase of the next one
     tile_count = 0
-    for step in range(_program_steps(num_tiles, CAUSAL, PAIR_TAIL)):
+    for step in range(_program_steps(num_tiles, CAUSAL)):
         batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
             step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
-            CONSUMERS * consumer_rows, BLOCK_N, CAUSAL, PAIR_TAIL)
+            CONSUMERS * consumer_rows, BLOCK_N, CAUSAL)
         q_phase = (tile_count // Q_BUFFERS) & 1
         for consumer in gl.static_range(CONSUMERS):
             q_slot = consumer * Q_BUFFERS + tile_count % Q_BUFFERS
@@ -291,115 +276,10 @@ def _pipelined_blocks(
 
 
 @gluon.jit
-def _softmax_maybe_masked(scores, row_max, row_sum, rows, keys, masked, seqlen_k, causal_offset, qk_scale,
-                          CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr):
-    """_softmax_block with the mask chosen at run time: only the softmax sits in the branch."""
-    if masked:
-        probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys, seqlen_k, causal_offset, qk_scale, True, CAUSAL, EMULATED_EXP2)
-    else:
-        probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys, seqlen_k, causal_offset, qk_scale, False, CAUSAL, EMULATED_EXP2)
-    return probs, rescale, row_max, row_sum
-
-
-@gluon.jit
-def _early_scores_block(
-    acc, p, scores, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-    rows, keys0, position, block, masked, seqlen_k, causal_offset, qk_scale,
-    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr, ISSUE_NEXT: gl.constexpr,
-):
-    """Key block ``block`` (ring position ``position``) from its finished ``scores``, with P of the
-    previous block in ``p``: issues that block's P·V and, before this block's softmax, the next
-    block's Q·Kᵀ (ISSUE_NEXT), so the tensor cores hold two of this consumer's products while it
-    computes; waits for both by the end. Nothing in flight crosses the loop's back edge or a
-    branch: ptxas would otherwise serialise every wgmma."""
-    p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
-    o_rows: gl.constexpr = gl.SliceLayout(1, _accumulator_layout(HEAD_DIM))
-    slot = position % STAGES
-    prev_slot = (position + STAGES - 1) % STAGES
-    mbarrier.arrive(k_free.index(slot), count=1)
-    mbarrier.wait(v_ready.index(prev_slot), ((position - 1) // STAGES) & 1)
-    v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
-    acc = warpgroup_mma(p, v, acc, is_async=True)
-    if ISSUE_NEXT:
-        next_slot = (position + 1) % STAGES
-        mbarrier.wait(k_ready.index(next_slot), ((position + 1) // STAGES) & 1)
-        k = k_smem.index(next_slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
-        next_scores = warpgroup_mma(q, k, gl.zeros_like(scores), use_acc=False, is_async=True)
-    probs, rescale, row_max, row_sum = _softmax_maybe_masked(
-        scores, row_max, row_sum, rows, block * BLOCK_N + keys0, masked, seqlen_k, causal_offset, qk_scale,
-        CAUSAL, EMULATED_EXP2)
-    # wgmma groups retire in order: the P·V, not the next Q·Kᵀ.
-    if ISSUE_NEXT:
-        acc = warpgroup_mma_wait(1, deps=(acc,))
-    else:
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_free.index(prev_slot), count=1)
-    acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
-    p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
-    if ISSUE_NEXT:
-        scores = warpgroup_mma_wait(0, deps=(next_scores,))
-    return acc, p, scores, row_max, row_sum
-
-
-@gluon.jit
-def _early_scores_tile(
-    acc, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, rows, keys0, ring_position,
-    num_kv_blocks, num_unmasked_blocks, seqlen_k, causal_offset, qk_scale,
-    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr,
-):
-    """One tile's key blocks (at least one) with the next block's Q·Kᵀ issued before each softmax."""
-    ROWS: gl.constexpr = q.shape[0]
-    s_layout: gl.constexpr = _accumulator_layout(BLOCK_N)
-    p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
-    slot = ring_position % STAGES
-    mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
-    k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
-    scores = warpgroup_mma(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False,
-                           is_async=True)
-    scores = warpgroup_mma_wait(0, deps=(scores,))
-    # Block 1's Q·Kᵀ runs under block 0's softmax. A one-block tile computes block 0's again
-    # instead (issuing it conditionally would put a product in flight inside a branch).
-    next_position = ring_position + gl.minimum(num_kv_blocks - 1, 1)
-    next_slot = next_position % STAGES
-    mbarrier.wait(k_ready.index(next_slot), (next_position // STAGES) & 1)
-    k = k_smem.index(next_slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-    next_scores = warpgroup_mma(q, k, gl.zeros_like(scores), use_acc=False, is_async=True)
-    probs, row_max, row_sum = _softmax_first_block(
-        scores, rows, keys0, seqlen_k, causal_offset, qk_scale, num_unmasked_blocks == 0, CAUSAL, EMULATED_EXP2)
-    p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
-    scores = warpgroup_mma_wait(0, deps=(next_scores,))
-    mbarrier.arrive(k_free.index(slot), count=1)  # after the second product: it may have read this slot
-    last = num_kv_blocks - 1
-    for block in range(1, last):
-        acc, p, scores, row_max, row_sum = _early_scores_block(
-            acc, p, scores, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-            rows, keys0, ring_position + block, block, block >= num_unmasked_blocks,
-            seqlen_k, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2, True)
-    if last > 0:
-        acc, p, scores, row_max, row_sum = _early_scores_block(
-            acc, p, scores, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-            rows, keys0, ring_position + last, last, last >= num_unmasked_blocks,
-            seqlen_k, causal_offset, qk_scale, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2, False)
-    last_position = ring_position + last
-    last_slot = last_position % STAGES
-    mbarrier.wait(v_ready.index(last_slot), (last_position // STAGES) & 1)
-    v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
-    acc = warpgroup_mma(p, v, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_free.index(last_slot), count=1)
-    return acc, row_max, row_sum
-
-
-@gluon.jit
 def _consumer_partition(
     shared,  # the runtime arguments every consumer gets, unpacked below
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr, EARLY_SCORES: gl.constexpr,
-    PAIR_TAIL: gl.constexpr,
+    STAGES: gl.constexpr, CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr,
 ):
     (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
      num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale) = shared
@@ -414,10 +294,10 @@ def _consumer_partition(
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     ring_position = 0
     tile_count = 0
-    for step in range(_program_steps(num_tiles, CAUSAL, PAIR_TAIL)):
+    for step in range(_program_steps(num_tiles, CAUSAL)):
         batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
             step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset,
-            CONSUMERS * ROWS, BLOCK_N, CAUSAL, PAIR_TAIL)
+            CONSUMERS * ROWS, BLOCK_N, CAUSAL)
         row0 = first_row + CONSUMER * ROWS
         rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
         row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
@@ -426,13 +306,7 @@ def _consumer_partition(
         q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
         mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
         q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
-        if EARLY_SCORES:
-            if num_kv_blocks > 0:
-                acc, row_max, row_sum = _early_scores_tile(
-                    acc, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, rows, keys0, ring_position,
-                    num_kv_blocks, num_unmasked_blocks, seqlen_k, causal_offset, qk_scale,
-                    HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)
-        elif num_kv_blocks > 0:
+        if num_kv_blocks > 0:
             # Block 0: scores and probabilities; its P·V is issued with block 1's Q·Kᵀ.
             slot = ring_position % STAGES
             mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
@@ -483,8 +357,7 @@ def attention_forward_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Lse,
     num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale, num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, EARLY_SCORES: gl.constexpr,
-    PAIR_TAIL: gl.constexpr,
+    CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
     with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 2 or 3, Q_BUFFERS 1 or 2."""
@@ -516,23 +389,18 @@ def attention_forward_hopper_kernel(
     # The registers go to the consumers (setmaxnreg): the load warp needs few.
     if CONSUMERS == 2:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2,
-                                     EARLY_SCORES, PAIR_TAIL)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2,
-                                     EARLY_SCORES, PAIR_TAIL)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, CAUSAL, CONSUMERS, PAIR_TAIL))],
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, CAUSAL, CONSUMERS))],
             worker_num_warps=[CONSUMER_WARPS, 1],
             worker_num_regs=[232, 40],
         )
     else:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2,
-                                     EARLY_SCORES, PAIR_TAIL)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2,
-                                     EARLY_SCORES, PAIR_TAIL)),
-             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2,
-                                     EARLY_SCORES, PAIR_TAIL)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, CAUSAL, CONSUMERS, PAIR_TAIL))],
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, CAUSAL, CONSUMERS))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=[160, 160, 24],
         )
