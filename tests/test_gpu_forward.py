@@ -113,7 +113,7 @@ def test_hopper_kernel_schedules(dtype, head_dim, causal, schedule):
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300), (1, 5, 5, 300, 300), (7, 1, 1, 1100, 1100), (2, 3, 1, 640, 900)],
-                         ids=str)
+                         ids=lambda shape: "x".join(map(str, shape)))  # ids pass through a shell: no spaces
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_causal_pairs_cover_every_tile(head_dim, shape):
     """Persistent causal programs walk pairs of tiles: odd tile counts (the last pair is one tile),
