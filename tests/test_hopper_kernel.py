@@ -44,7 +44,7 @@ print(json.dumps(report))
 """
 
 # (head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers): the default path's
-# choices, and D=64 without the emulated exponentials for comparison.
+# choices, three consumers (an option of the launcher), and D=64 without the emulated exponentials.
 VARIANTS = [(64, False, 2, 128, 2, 8, 2), (64, True, 2, 128, 2, 8, 2), (64, True, 2, 128, 2, 8, 1),
             (128, False, 2, 128, 2, 0, 2), (128, True, 2, 128, 2, 0, 2), (128, True, 2, 128, 2, 0, 1),
             (64, False, 3, 64, 3, 0, 1), (64, False, 2, 128, 2, 0, 2)]
