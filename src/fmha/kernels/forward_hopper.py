@@ -281,39 +281,6 @@ def _pipelined_blocks(
 
 
 @gluon.jit
-def _second_block(
-    acc, probs, row_max, row_sum, scores, v_smem, v_ready, k_free, v_free,
-    rows, keys0, ring_position, masked, seqlen_k, causal_offset, qk_scale,
-    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, EMULATED_EXP2: gl.constexpr,
-):
-    """Block 1 of a tile, whose scores were computed under block 0's softmax: block 0's P·V runs
-    under this block's softmax."""
-    p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
-    o_rows: gl.constexpr = gl.SliceLayout(1, _accumulator_layout(HEAD_DIM))
-    slot = (ring_position + 1) % STAGES
-    prev_slot = ring_position % STAGES
-    mbarrier.arrive(k_free.index(slot), count=1)
-    mbarrier.wait(v_ready.index(prev_slot), (ring_position // STAGES) & 1)
-    v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
-    p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
-    acc = warpgroup_mma(p, v, acc, is_async=True)
-    # Only the softmax sits in the branch: a product in flight must not cross one as a result.
-    if masked:
-        probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, BLOCK_N, seqlen_k, causal_offset, qk_scale, True, CAUSAL,
-            EMULATED_EXP2)
-    else:
-        probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, BLOCK_N, seqlen_k, causal_offset, qk_scale, False, CAUSAL,
-            EMULATED_EXP2)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_free.index(prev_slot), count=1)
-    acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
-    return acc, probs, row_max, row_sum
-
-
-@gluon.jit
 def _consumer_partition(
     shared,  # the runtime arguments every consumer gets, unpacked below
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -330,8 +297,6 @@ def _consumer_partition(
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
-    # Two score blocks live at once: affordable beside a 64-column accumulator only.
-    SECOND_SCORES_EARLY: gl.constexpr = HEAD_DIM <= 64
     ring_position = 0
     tile_count = 0
     for step in range(_program_steps(num_tiles, CAUSAL)):
@@ -347,42 +312,21 @@ def _consumer_partition(
         mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
         q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
         if num_kv_blocks > 0:
+            # Block 0: scores and probabilities; its P·V is issued with block 1's Q·Kᵀ.
             slot = ring_position % STAGES
             mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
             k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
             scores = warpgroup_mma(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
                                    use_acc=False, is_async=True)
-            if SECOND_SCORES_EARLY:
-                # Block 1's Q·Kᵀ runs under block 0's softmax (a one-block tile computes block 0's
-                # again: a product issued inside a branch would have to leave it in flight).
-                next_position = ring_position + gl.minimum(num_kv_blocks - 1, 1)
-                next_slot = next_position % STAGES
-                mbarrier.wait(k_ready.index(next_slot), (next_position // STAGES) & 1)
-                k = k_smem.index(next_slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-                next_scores = warpgroup_mma(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
-                                            use_acc=False, is_async=True)
-                scores = warpgroup_mma_wait(1, deps=(scores,))
-            else:
-                scores = warpgroup_mma_wait(0, deps=(scores,))
-                mbarrier.arrive(k_free.index(slot), count=1)
+            scores = warpgroup_mma_wait(0, deps=(scores,))
+            mbarrier.arrive(k_free.index(slot), count=1)
             probs, row_max, row_sum = _softmax_first_block(
                 scores, rows, keys0, seqlen_k, causal_offset, qk_scale, num_unmasked_blocks == 0, CAUSAL, EMULATED_EXP2)
-            if SECOND_SCORES_EARLY:
-                next_scores = warpgroup_mma_wait(0, deps=(next_scores,))
-                mbarrier.arrive(k_free.index(slot), count=1)  # after both products: both may have read it
-                if num_kv_blocks > 1:
-                    acc, probs, row_max, row_sum = _second_block(
-                        acc, probs, row_max, row_sum, next_scores, v_smem, v_ready, k_free, v_free,
-                        rows, keys0, ring_position, num_unmasked_blocks < 2, seqlen_k, causal_offset, qk_scale,
-                        HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)
-                loop_start = 2
-            else:
-                loop_start = 1
             # Blocks wholly visible to every row run without masks; the diagonal and the end of K with.
-            first_masked = gl.maximum(num_unmasked_blocks, loop_start)
+            first_masked = gl.maximum(num_unmasked_blocks, 1)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                rows, keys0, ring_position, loop_start, first_masked, seqlen_k, causal_offset, qk_scale,
+                rows, keys0, ring_position, 1, first_masked, seqlen_k, causal_offset, qk_scale,
                 HEAD_DIM, BLOCK_N, STAGES, False, CAUSAL, EMULATED_EXP2)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
