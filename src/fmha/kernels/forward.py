@@ -58,9 +58,12 @@ def _softmax_update(
     else:
         scores = raw_scores * qk_scale
     if MASKED:
-        visible = keys[None, :] < seqlen_k
         if CAUSAL:
-            visible = visible & (keys[None, :] <= offs_m[:, None] + causal_offset)
+            # One compare per score: each row's last visible key (the diagonal or the end of K).
+            last_visible = tl.minimum(offs_m + causal_offset, seqlen_k - 1)  # [BLOCK_M]
+            visible = keys[None, :] <= last_visible[:, None]
+        else:
+            visible = keys[None, :] < seqlen_k
         scores = tl.where(visible, scores, float("-inf"))
     if FUSED_SCALE:
         new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)  # [BLOCK_M]
