@@ -161,3 +161,19 @@ def test_tma_needs_aligned_rows():
     assert not tma_compatible(torch.randn(1, 2, 8, 17, dtype=torch.float16))  # 34-byte rows
     assert not tma_compatible(aligned.transpose(2, 3))  # D not contiguous
     assert not tma_compatible(aligned.expand(1, 2, 8, 64).as_strided((1, 2, 8, 64), (0, 0, 64, 1)))
+
+
+def test_direct_launch_keys_on_everything_the_jit_specialises():
+    """The compiled portable forward is reused for calls whose integer arguments Triton's JIT
+    would specialise alike: the reuse key must separate every pair of values the JIT separates."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from fmha.launch import _integer_specialisation
+
+    values = [0, 1, 2, 15, 16, 17, 32, 64, 1000, 4096, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
+              -2**31, -2**31 - 16, 2**40, 2**40 + 1]
+    for a in values:
+        for b in values:
+            if native(BaseBackend, a, False, True, True) != native(BaseBackend, b, False, True, True):
+                assert _integer_specialisation(a) != _integer_specialisation(b), (a, b)

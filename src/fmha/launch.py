@@ -178,12 +178,28 @@ def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale
     args = (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out), lse,
             num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
             0 if causal_offset is None else causal_offset, scale * LOG2_E, num_tiles, *constants)
-    stream = torch._C._cuda_getCurrentRawStream(q.device.index)  # what Triton's own launch asks for
+    _run_compiled(compiled, grid, q.device, args)
+    return compiled
+
+
+def _run_compiled(compiled, grid: int, device: torch.device, args: tuple) -> None:
+    """Launch a compiled kernel on the current stream; ``args`` are all its parameters in order."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index)  # what Triton's own launch asks for
     enter_hook, exit_hook = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
     metadata = compiled.launch_metadata((grid, 1, 1), stream, *args) if enter_hook is not None else None
     compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
                  enter_hook, exit_hook, *args)
-    return compiled
+
+
+def _integer_specialisation(value: int) -> tuple[bool, bool, bool]:
+    """What Triton's JIT specialises an integer argument on: 1 becomes a constant, multiples of 16
+    are marked divisible, and the value picks i32 or i64."""
+    return value == 1, value % 16 == 0, -2**31 <= value < 2**31
+
+
+# Compiled portable forwards by everything Triton's JIT would key them on: the launch below reuses
+# them without the JIT's per-call binding and cache-key hashing.
+_compiled_forwards: dict = {}
 
 
 def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
@@ -205,19 +221,33 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
     else:
         descriptors = (None, None, None, None)
     num_tiles = triton.cdiv(seqlen_q, config.block_m) * batch * num_q_heads
-    grid = (min(num_tiles, _resident_programs(q.device)) if features.persistent else num_tiles,)
-    return attention_forward_kernel[grid](
-        q, k, v, out, lse, *descriptors,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        batch * num_q_heads, num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
-        0 if causal_offset is None else causal_offset, scale * LOG2_E,
+    grid = min(num_tiles, _resident_programs(q.device)) if features.persistent else num_tiles
+    integers = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                batch * num_q_heads, num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
+                0 if causal_offset is None else causal_offset)
+    tensors = (q, k, v, out, lse)
+    args = (*tensors, *descriptors, *integers, scale * LOG2_E)
+    constants = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         CAUSAL=causal_offset is not None, DOT_PRECISION=dot_precision(q.dtype),
         USE_TMA=use_tma, FUSED_SCALE=features.fused_scale and scale > 0,
         PIPELINE_QK=features.pipeline_qk, WARP_SPECIALIZE=features.warp_specialize, PERSISTENT=features.persistent,
-        num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if INTERPRETED or use_tma:  # the interpreter has no compiled kernel; host descriptors vary per call
+        return attention_forward_kernel[(grid,)](*args, **constants, num_warps=config.num_warps,
+                                                 num_stages=config.num_stages)
+    key = (q.device, config, tuple(constants.values()), tuple(t.dtype for t in tensors),
+           tuple(t.data_ptr() % 16 == 0 for t in tensors), tuple(map(_integer_specialisation, integers)))
+    compiled = _compiled_forwards.get(key)
+    if compiled is None:  # the JIT compiles (or loads from its disk cache) and launches this once
+        assert attention_forward_kernel.arg_names[len(args):] == list(constants)  # the direct launch's order
+        compiled = attention_forward_kernel[(grid,)](*args, **constants, num_warps=config.num_warps,
+                                                     num_stages=config.num_stages)
+        _compiled_forwards[key] = compiled
+    else:
+        _run_compiled(compiled, grid, q.device, (*args, *constants.values()))
+    return compiled
 
 
 @functools.lru_cache(maxsize=None)
