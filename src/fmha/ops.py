@@ -44,7 +44,7 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> MappingP
       six rounds out of six at 16k queries).
     * D=64 causal: from 4k queries the Hopper kernel (exponentials as above; paired persistent
       tiles with two Q buffers below 8k, one program per tile from 8k); below 4k the portable
-      kernel is faster.
+      kernel (at S=1k 287-289 TFLOP/s against the Hopper kernel's 284, round 14).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     long_queries = seqlen_q >= 8192
