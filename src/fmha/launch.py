@@ -237,8 +237,10 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
     if INTERPRETED or use_tma:  # the interpreter has no compiled kernel; host descriptors vary per call
         return attention_forward_kernel[(grid,)](*args, **constants, num_warps=config.num_warps,
                                                  num_stages=config.num_stages)
-    key = (q.device, config, tuple(constants.values()), tuple(t.dtype for t in tensors),
-           tuple(t.data_ptr() % 16 == 0 for t in tensors), tuple(map(_integer_specialisation, integers)))
+    # The tensors share q's dtype (checked by fmha.interface) but for the fp32 LSE.
+    constant_values = tuple(constants.values())
+    key = (q.device, q.dtype, config, constant_values, tuple(t.data_ptr() % 16 == 0 for t in tensors),
+           tuple(map(_integer_specialisation, integers)))
     compiled = _compiled_forwards.get(key)
     if compiled is None:  # the JIT compiles (or loads from its disk cache) and launches this once
         assert attention_forward_kernel.arg_names[len(args):] == list(constants)  # the direct launch's order
@@ -246,7 +248,7 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
                                                      num_stages=config.num_stages)
         _compiled_forwards[key] = compiled
     else:
-        _run_compiled(compiled, grid, q.device, (*args, *constants.values()))
+        _run_compiled(compiled, grid, q.device, (*args, *constant_values))
     return compiled
 
 
