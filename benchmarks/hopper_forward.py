@@ -10,6 +10,7 @@ seeds and std case. Writes JSON rows and prints one table per case.
 import argparse
 import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ def check_correctness(variants):
     failures = 0
     for (batch, hq, hkv, sq, sk, d, layout), causal, dtype, (name, options) in itertools.product(
             shapes, [False, True], [torch.bfloat16, torch.float16], variants):
-        if options.get("consumers") == 3 and d != 64:
+        if not fits(options, d):
             continue
         generator = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
         q, k, v = random_qkv(batch, hq, hkv, sq, sk, d, dtype, device="cuda", layout=layout, generator=generator)
@@ -67,29 +68,67 @@ def sdpa(backend, q, k, v, causal):
 
 def variants_for(head_dim, causal):
     """(name, launch_forward_hopper options): the default path's choices, then the alternatives."""
-    emulated = {"emulated_exp2": 8} if head_dim == 64 else {}
-    if causal:
-        return [("grid", {"persistent": False, **emulated}),
-                ("persistent paired q2", {"persistent": True, "q_buffers": 2, **emulated})]
     if head_dim == 128:
-        return [("persistent", {"persistent": True}), ("persistent q2", {"persistent": True, "q_buffers": 2})]
-    return [("emulated exp2 1/8 q2", {"persistent": True, "emulated_exp2": 8, "q_buffers": 2}),
-            ("3 consumers n64 s3", {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3})]
+        default = [("grid", {"persistent": False}), ("persistent paired q2", {"persistent": True, "q_buffers": 2})] \
+            if causal else [("persistent", {"persistent": True}), ("persistent q2", {"persistent": True, "q_buffers": 2})]
+        return default + [
+            ("1c n64 2 CTAs q2", {"consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 2}),
+            ("1c n64 2 CTAs q1", {"consumers": 1, "block_n": 64, "ctas_per_sm": 2}),
+            ("1c n64 2 CTAs grid", {"consumers": 1, "block_n": 64, "ctas_per_sm": 2, "persistent": False})]
+    emulated = {"emulated_exp2": 8}
+    if causal:
+        short = {"consumers": 1, "block_n": 64, "ctas_per_sm": 3}
+        return [
+            ("persistent paired q2", {"q_buffers": 2, **emulated}),
+            ("1c n64 3 CTAs", {**short, "q_buffers": 2, **emulated}),
+            ("1c n64 3 CTAs no FMA exp2", {**short, "q_buffers": 2}),
+            ("1c n64 3 CTAs q1", {**short, **emulated}),
+            ("1c n64 3 CTAs grid", {**short, "persistent": False, **emulated}),
+            ("1c n128 2 CTAs", {"consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, **emulated})]
+    return [
+        ("emulated exp2 1/8 q2", {"q_buffers": 2, **emulated}),
+        ("1c n128 2 CTAs", {"consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, **emulated}),
+        ("1c n64 3 CTAs s3", {"consumers": 1, "block_n": 64, "stages": 3, "q_buffers": 2, "ctas_per_sm": 3,
+                              **emulated})]
+
+
+CHECKED_VARIANTS = [
+    ("persistent q2", {"persistent": True, "q_buffers": 2}),
+    ("persistent q2 exp2", {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}),
+    ("grid", {"persistent": False}),
+    ("3 consumers", {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}),
+    ("1 consumer n128 2 CTAs", {"consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, "emulated_exp2": 8}),
+    ("1 consumer n64 2 CTAs", {"consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 2}),
+    ("1 consumer n64 3 CTAs", {"consumers": 1, "block_n": 64, "stages": 3, "q_buffers": 2, "ctas_per_sm": 3,
+                               "emulated_exp2": 8}),
+]
+
+
+def fits(options, head_dim):
+    """Whether the registers and shared memory allow these options at this head dim."""
+    if head_dim == 64:
+        return True
+    return options.get("consumers", 2) == 2 and options.get("ctas_per_sm", 1) == 1 or (
+        options.get("consumers") == 1 and options.get("block_n") == 64 and options.get("ctas_per_sm") == 2)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="hopper.json")
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1, help="timing rounds, variants interleaved; the median is kept")
+    parser.add_argument("--case", action="append", default=[], metavar="B,H,S,D[,causal]",
+                        help="time this shape too (bf16, Sk = Sq)")
+    parser.add_argument("--only", nargs="*", default=[""], help="time only the cases whose label contains one of these")
     args = parser.parse_args()
     payload = {"environment": environment(), "rows": []}
     if not args.skip_check:
-        payload["correctness_failures"] = check_correctness([
-            ("persistent q2", {"persistent": True, "q_buffers": 2}),
-            ("persistent q2 exp2", {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}),
-            ("grid", {"persistent": False}),
-            ("3 consumers", {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3})])
-    for case in cases.seeds() + cases.std():
+        payload["correctness_failures"] = check_correctness(CHECKED_VARIANTS)
+    extra = [cases.Case(int(b), int(h), int(h), int(sq), int(sq), int(d), causal=bool(rest))
+             for b, h, sq, d, *rest in (spec.split(",") for spec in args.case)]
+    for case in cases.seeds() + cases.std() + extra:
+        if not any(part in case.label for part in args.only):
+            continue
         q, k, v = make_inputs(case, torch.bfloat16)
         offset = case.seqlen_k - case.seqlen_q if case.causal else None
         scale = default_scale(case.head_dim)
@@ -121,11 +160,18 @@ def main():
                     if case.seqlen_q == 4096 and compiled is not None:
                         sass = get_sass(compiled.asm["cubin"])
                         row["sass"] = {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "LDL", "STL", "MUFU.EX2")}
-                row["ms"], row["method"] = time_ms(run)
-                row["tflops"] = metrics.tflops(case, row["ms"])
+                row["tflops_rounds"] = []
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
+        for _ in range(args.rounds):  # variants interleaved within each round
+            for row, (run, _output) in zip(rows, runs.values()):
+                if "error" not in row:
+                    row["ms"], row["method"] = time_ms(run)
+                    row["tflops_rounds"].append(metrics.tflops(case, row["ms"]))
+        for row in rows:
+            if row.get("tflops_rounds"):
+                row["tflops"] = statistics.median(row["tflops_rounds"])
         cudnn = rows[1].get("tflops", float("nan"))
         print(f"\n{case.label}  (flash {rows[0].get('tflops', 0):.0f}, cuDNN {cudnn:.0f} TFLOP/s)", flush=True)
         for row in rows[2:]:

@@ -2,9 +2,9 @@
 
 ``--set long`` (default): the default path on two non-causal std shapes, and the Hopper kernel at
 D=64 without the emulated exponentials, for comparison. ``--set short-causal``: the two causal
-S=1k std shapes, each on the default path and on the other kernel (D=64: the Hopper kernel's
-paired persistent schedule beside the portable default; D=128: the per-tile grid beside the
-paired persistent default).
+S=1k std shapes, each on the default path and on an alternative (D=64: the Hopper kernel's
+two-consumer paired persistent schedule beside the default, one consumer per CTA and three CTAs
+per multiprocessor; D=128: the per-tile grid beside the paired persistent default).
 
     ncu --clock-control none --kernel-name regex:attention_forward \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \

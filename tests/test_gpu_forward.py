@@ -90,7 +90,13 @@ HOPPER_SCHEDULES = {  # launch_forward_hopper options; names without spaces (tes
     "three_consumers": {"consumers": 3, "block_n": 64, "stages": 3},
     "persistent_two_q_buffers": {"persistent": True, "q_buffers": 2},
     "persistent_two_q_buffers_exp2_1_in_8": {"persistent": True, "q_buffers": 2, "emulated_exp2": 8},
+    "one_consumer_two_ctas_per_sm": {"consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, "emulated_exp2": 8},
+    "one_consumer_three_ctas_per_sm_64_keys": {"consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 3},
+    "one_consumer_three_ctas_per_sm_64_keys_exp2_1_in_8": {"consumers": 1, "block_n": 64, "q_buffers": 2,
+                                                           "ctas_per_sm": 3, "emulated_exp2": 8},
 }
+# Too few registers per thread for a D=128 accumulator: ptxas refuses these.
+D64_ONLY_SCHEDULES = {"one_consumer_three_ctas_per_sm_64_keys", "one_consumer_three_ctas_per_sm_64_keys_exp2_1_in_8"}
 
 
 @pytest.mark.parametrize("schedule", HOPPER_SCHEDULES)
@@ -100,6 +106,9 @@ HOPPER_SCHEDULES = {  # launch_forward_hopper options; names without spaces (tes
 def test_hopper_kernel_schedules(dtype, head_dim, causal, schedule):
     """The Gluon kernel's grids and softmax variants, on more tiles than multiprocessors."""
     from fmha.launch import default_scale, hopper_forward_applies, launch_forward_hopper
+
+    if head_dim != 64 and schedule in D64_ONLY_SCHEDULES:
+        pytest.skip("D=64 only")
 
     q, k, v = random_qkv(4, 16, 4, 777, 1500, head_dim, dtype, device="cuda", layout="bshd")
     out = torch.empty_like(q)
@@ -112,14 +121,40 @@ def test_hopper_kernel_schedules(dtype, head_dim, causal, schedule):
     assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape, causal, plan", [
+    ((16, 2, 2, 1024, 1024), True, "_SHORT_CAUSAL_D64"),
+    ((6, 4, 2, 1500, 1500), True, "_SHORT_CAUSAL_D64"),
+    ((8, 4, 4, 1100, 1700), True, "_SHORT_CAUSAL_D64"),  # bottom-right causal: Sk > Sq
+    ((1, 16, 16, 1024, 1024), False, "_SMALL_GRID_D64"),
+    ((1, 3, 1, 3000, 2000), False, "_SMALL_GRID_D64"),
+], ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else str(value))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_default_path_schedules(dtype, shape, causal, plan):
+    """fmha.attention on shapes where the default path picks each one-consumer schedule."""
+    from fmha import ops
+
+    batch, q_heads, kv_heads, seqlen_q, seqlen_k = shape
+    q, k, v = random_qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, 64, dtype, device="cuda", layout="bshd")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel's schedules")
+    scale = 64 ** -0.5
+    assert ops.hopper_forward_plan(q, k, v, torch.empty_like(q), scale=scale, causal=causal) == getattr(ops, plan)
+    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
+    assert_close_to_reference(out, q, k, v, causal_offset=seqlen_k - seqlen_q if causal else None,
+                              lse=lse, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300), (1, 5, 5, 300, 300), (7, 1, 1, 1100, 1100), (2, 3, 1, 640, 900)],
                          ids=lambda shape: "x".join(map(str, shape)))  # ids pass through a shell: no spaces
+@pytest.mark.parametrize("schedule", ["persistent_two_q_buffers", "one_consumer_three_ctas_per_sm_64_keys"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_hopper_causal_pairs_cover_every_tile(head_dim, shape):
+def test_hopper_causal_pairs_cover_every_tile(head_dim, shape, schedule):
     """Persistent causal programs walk pairs of tiles: odd tile counts (the last pair is one tile),
     pairs that straddle two heads (odd query blocks per head) and fewer pairs than multiprocessors."""
     from fmha.launch import default_scale, hopper_forward_applies, launch_forward_hopper
 
+    if head_dim != 64 and schedule in D64_ONLY_SCHEDULES:
+        pytest.skip("D=64 only")
     batch, q_heads, kv_heads, seqlen_q, seqlen_k = shape
     q, k, v = random_qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
@@ -128,5 +163,5 @@ def test_hopper_causal_pairs_cover_every_tile(head_dim, shape):
         pytest.skip("needs an sm_90 GPU")
     offset = seqlen_k - seqlen_q
     launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(head_dim),
-                          persistent=True, q_buffers=2)
+                          **HOPPER_SCHEDULES[schedule])
     assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)

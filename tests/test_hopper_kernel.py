@@ -30,24 +30,29 @@ from triton.tools.disasm import get_sass
 from fmha import launch
 
 report = {}
-for head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers in json.loads(sys.argv[1]):
-    # The very source and signature the launcher compiles on a GPU.
+for variant in json.loads(sys.argv[1]):
+    head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm = variant
+    # The very source, signature and options the launcher compiles on a GPU.
     source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, block_n, stages, causal, consumers,
-                                              emulated_exp2, q_buffers)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                                              emulated_exp2, q_buffers, ctas_per_sm)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=launch.hopper_compile_options(consumers, ctas_per_sm))
     sass = get_sass(compiled.asm["cubin"])
-    report[",".join(map(str, (head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers)))] = {
+    report[",".join(map(str, variant))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
-        "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared}
+        "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
+        "maxnreg": int(compiled.asm["ptx"].split(".maxnreg")[1].split()[0])}
 print(json.dumps(report))
 """
 
-# (head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers): the default path's
-# choices, three consumers (an option of the launcher), and D=64 without the emulated exponentials.
-VARIANTS = [(64, False, 2, 128, 2, 8, 2), (64, True, 2, 128, 2, 8, 2), (64, True, 2, 128, 2, 8, 1),
-            (128, False, 2, 128, 2, 0, 2), (128, True, 2, 128, 2, 0, 2), (128, True, 2, 128, 2, 0, 1),
-            (64, False, 3, 64, 3, 0, 1), (64, False, 2, 128, 2, 0, 2)]
+# (head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm): the
+# default path's choices, three consumers (an option of the launcher), and D=64 without the
+# emulated exponentials.
+VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 1, 1),
+            (128, False, 2, 128, 2, 0, 2, 1), (128, True, 2, 128, 2, 0, 2, 1), (128, True, 2, 128, 2, 0, 1, 1),
+            (64, False, 1, 128, 2, 8, 2, 2), (64, True, 1, 64, 2, 0, 2, 3),
+            (64, False, 3, 64, 3, 0, 1, 1), (64, False, 2, 128, 2, 0, 2, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,7 @@ def hopper_builds():
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
-    head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers = variant
+    head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm = variant
     build = hopper_builds[",".join(map(str, variant))]
     counts = build["counts"]
     assert counts["HGMMA"] > 0, "expected warpgroup MMAs"
@@ -70,13 +75,16 @@ def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
     assert counts["USETMAXREG"] > 0, "registers move from the load warp to the consumers"
     # 4-warp default partition + 4-warp consumers + load warp, padded to whole warpgroups.
     assert build["num_warps"] == 4 * (consumers + 1)
-    assert build["shared"] <= 232448, "fits the H100's shared memory per block"
+    # ctas_per_sm CTAs side by side: the H100's 228 KiB of shared memory per multiprocessor (1 KiB
+    # of it reserved per CTA) and 64k registers (the launch count, before setmaxnreg moves them).
+    assert ctas_per_sm * (build["shared"] + 1024) <= 228 * 1024
+    assert ctas_per_sm * build["maxnreg"] * 128 * (consumers + 1) <= 65536
 
 
 def test_emulated_exponentials_leave_the_mufu_unit(hopper_builds):
     """One exponential in eight computed by polynomial: fewer MUFU.EX2 in the SASS."""
-    plain = hopper_builds["64,False,2,128,2,0,2"]["counts"]["MUFU.EX2"]
-    emulated = hopper_builds["64,False,2,128,2,8,2"]["counts"]["MUFU.EX2"]
+    plain = hopper_builds["64,False,2,128,2,0,2,1"]["counts"]["MUFU.EX2"]
+    emulated = hopper_builds["64,False,2,128,2,8,2,1"]["counts"]["MUFU.EX2"]
     assert emulated < plain
 
 
@@ -85,8 +93,8 @@ def test_second_q_buffer_per_consumer(hopper_builds, head_dim):
     """Two Q buffers: one more 64-row Q tile per consumer in shared memory (and its two barriers)."""
     extra = 2 * 64 * head_dim * 2
     options = "2,128,2,8" if head_dim == 64 else "2,128,2,0"
-    one = hopper_builds[f"{head_dim},True,{options},1"]["shared"]
-    two = hopper_builds[f"{head_dim},True,{options},2"]["shared"]
+    one = hopper_builds[f"{head_dim},True,{options},1,1"]["shared"]
+    two = hopper_builds[f"{head_dim},True,{options},2,1"]["shared"]
     assert extra <= two - one < extra + 1024
 
 
@@ -98,6 +106,7 @@ def test_not_applicable_off_hopper():
 
 def test_plan_follows_the_measurements(monkeypatch):
     monkeypatch.setattr(ops, "hopper_forward_applies", lambda *args: True)
+    monkeypatch.setattr(ops, "multiprocessors", lambda device: 132)  # the H100's
 
     def plan(seqlen, head_dim, causal, batch=8):
         q = torch.empty(1).expand(batch, 16, seqlen, head_dim)
@@ -109,10 +118,17 @@ def test_plan_follows_the_measurements(monkeypatch):
     assert plan(16384, 128, causal=True) == {"persistent": False}
     assert plan(1024, 64, causal=False) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
     assert plan(16384, 64, causal=False) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
-    assert plan(1024, 64, causal=True) is None
+    short_causal = {"persistent": True, "consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 3}
+    assert plan(1024, 64, causal=True) == short_causal
+    assert plan(512, 64, causal=True) is None  # not measured against the portable kernel
+    assert plan(2048, 64, causal=True) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
     assert plan(4096, 64, causal=True) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
     assert plan(16384, 64, causal=True) == {"persistent": False, "emulated_exp2": 8}
-    assert plan(1024, 64, causal=False, batch=1) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
+    # 128 or 256 tiles of 128 rows: fewer than two per multiprocessor
+    small_grid = {"persistent": True, "consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, "emulated_exp2": 8}
+    assert plan(1024, 64, causal=False, batch=1) == small_grid
+    assert plan(1024, 64, causal=False, batch=2) == small_grid
+    assert plan(1024, 64, causal=False, batch=3) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
     assert plan(512, 64, causal=False, batch=1) is None  # the portable kernel's small tiles
 
 

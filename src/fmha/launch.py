@@ -33,7 +33,7 @@ try:  # Gluon (Triton >= 3.5): the warp-specialised Hopper forward
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .kernels.forward_hopper import attention_forward_hopper_kernel
+    from .kernels.forward_hopper import attention_forward_hopper_kernel, register_budget
 except ImportError:  # pragma: no cover - older triton: the portable kernel runs everywhere
     attention_forward_hopper_kernel = None
 
@@ -118,7 +118,7 @@ _HOPPER_INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "ca
 
 
 def hopper_forward_source(dtype: torch.dtype, head_dim: int, block_n: int, stages: int, causal: bool,
-                          consumers: int, emulated_exp2: int, q_buffers: int = 1):
+                          consumers: int, emulated_exp2: int, q_buffers: int = 1, ctas_per_sm: int = 1):
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
@@ -130,13 +130,19 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, block_n: int, stage
 
     constants = {"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
                  "CONSUMERS": consumers, "EMULATED_EXP2": emulated_exp2,
-                 "Q_BUFFERS": q_buffers}
+                 "Q_BUFFERS": q_buffers, "CTAS_PER_SM": ctas_per_sm}
     signature = {"q_desc": descriptor_type(HOPPER_CONSUMER_ROWS), "k_desc": descriptor_type(block_n),
                  "v_desc": descriptor_type(block_n), "o_desc": descriptor_type(HOPPER_CONSUMER_ROWS),
                  "Lse": "*fp32", **dict.fromkeys(_HOPPER_INTEGER_ARGS, "i32"), "qk_scale": "fp32",
                  "num_tiles": "i32", **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_forward_hopper_kernel.arg_names
     return GluonASTSource(attention_forward_hopper_kernel, signature, constants), tuple(constants.values())
+
+
+def hopper_compile_options(consumers: int, ctas_per_sm: int) -> dict:
+    """Compile options of the Gluon forward: the launch register count lets ``ctas_per_sm`` CTAs
+    share a multiprocessor (:func:`fmha.kernels.forward_hopper.register_budget`)."""
+    return {"num_warps": 4, "maxnreg": register_budget(consumers, ctas_per_sm)[0]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,34 +153,36 @@ def _compiled_hopper_forward(device: torch.device, *static_config):
     source, constants = hopper_forward_source(*static_config)
     with torch.cuda.device(device):
         compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(),
-                                  options={"num_warps": 4})
+                                  options=hopper_compile_options(static_config[5], static_config[8]))
         compiled._init_handles()  # loads the module on this device
     return compiled, constants
 
 
 def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale: float,
                           block_n: int = 128, stages: int = 2, persistent: bool = True, consumers: int = 2,
-                          emulated_exp2: int = 0, q_buffers: int = 1):
+                          emulated_exp2: int = 0, q_buffers: int = 1, ctas_per_sm: int = 1):
     """The Gluon forward (see :func:`hopper_forward_applies`); same outputs as :func:`launch_forward`.
 
     ``persistent``: one program per multiprocessor walks the tiles (the next tile's loads overlap
     the current tile's end); otherwise one program per tile. ``consumers``: 2 or 3 warpgroups of
     64 query rows per tile. ``emulated_exp2`` (0, 2, 4 or 8): one exponential in that many is
     computed on the FMA units (:mod:`fmha.kernels.forward_hopper`). ``q_buffers`` 2: each consumer's
-    next Q tile loads while it works on the current one. Returns the compiled kernel.
+    next Q tile loads while it works on the current one. ``ctas_per_sm``: CTAs sharing a
+    multiprocessor (the persistent grid grows with it; registers per thread shrink). Returns the
+    compiled kernel.
     """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     compiled, constants = _compiled_hopper_forward(q.device, q.dtype, head_dim, block_n, stages,
                                                    causal_offset is not None, consumers, emulated_exp2,
-                                                   q_buffers)
+                                                   q_buffers, ctas_per_sm)
     num_tiles = -(-seqlen_q // (consumers * HOPPER_CONSUMER_ROWS)) * batch * num_q_heads
     if not persistent:
         grid = num_tiles
     elif causal_offset is not None:
-        grid = min((num_tiles + 1) // 2, _resident_programs(q.device))  # programs walk pairs of tiles
+        grid = min((num_tiles + 1) // 2, ctas_per_sm * multiprocessors(q.device))  # programs walk pairs
     else:
-        grid = min(num_tiles, _resident_programs(q.device))
+        grid = min(num_tiles, ctas_per_sm * multiprocessors(q.device))
     args = (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out), lse,
             num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
             0 if causal_offset is None else causal_offset, scale * LOG2_E, num_tiles, *constants)
@@ -221,7 +229,7 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
     else:
         descriptors = (None, None, None, None)
     num_tiles = triton.cdiv(seqlen_q, config.block_m) * batch * num_q_heads
-    grid = min(num_tiles, _resident_programs(q.device)) if features.persistent else num_tiles
+    grid = min(num_tiles, multiprocessors(q.device)) if features.persistent else num_tiles
     integers = (*q.stride(), *k.stride(), *v.stride(), *out.stride(),
                 batch * num_q_heads, num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
                 0 if causal_offset is None else causal_offset)
@@ -253,7 +261,8 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
 
 
 @functools.lru_cache(maxsize=None)
-def _resident_programs(device: torch.device) -> int:
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
     """Programs of a persistent launch: one per multiprocessor (a few under the interpreter)."""
     if device.type != "cuda":
         return 3

@@ -9,7 +9,7 @@ import torch
 
 from .config import INTERPRETER_BACKWARD_CONFIG, INTERPRETER_FORWARD_CONFIG, BackwardConfig, ForwardConfig
 from .launch import (INTERPRETED, hopper_forward_applies, launch_backward, launch_forward, launch_forward_hopper,
-                     launch_naive)
+                     launch_naive, multiprocessors)
 from .tuning.lookup import backward_config, forward_config
 
 _NO_GUARD = contextlib.nullcontext()
@@ -41,25 +41,33 @@ def hopper_forward_plan(q, k, v, out, *, scale: float, causal: bool) -> MappingP
       the long tiles better).
     * D=64 without a mask: one exponential in eight on the FMA units (the MUFU unit paces the
       softmax there) and two Q buffers, at every length (three 64-row consumers were slower in
-      six rounds out of six at 16k queries).
-    * D=64 causal: from 4k queries the Hopper kernel (exponentials as above; paired persistent
-      tiles with two Q buffers below 8k, one program per tile from 8k); below 4k the portable
-      kernel (at S=1k 287-289 TFLOP/s against the Hopper kernel's 284, round 14).
+      six rounds out of six at 16k queries). When the 128-row tiles are fewer than two per
+      multiprocessor, one consumer per CTA and two CTAs per multiprocessor instead: 64-row
+      tiles fill the GPU (+3 to +7%, rounds 12 and 16).
+    * D=64 causal: below 2k queries (from 1k) one consumer per CTA, 64-key blocks, three CTAs per
+      multiprocessor, which hide each other's tile starts and ends on short tiles, and every
+      exponential on the MUFU unit (S=1k: +14 to +17% over both other kernels, rounds 15-17);
+      from 2k queries two consumers on paired persistent tiles with two Q buffers, from 8k one
+      program per tile, with the FMA exponentials. Below 1k queries the portable kernel (not
+      measured against the Hopper kernel there).
     """
     batch, heads, seqlen_q, head_dim = q.shape
-    long_queries = seqlen_q >= 8192
-    # The cheap integer tests first: this runs on every default-path call.
-    if (causal and head_dim == 64 and seqlen_q < 4096
-            or 4 * batch * heads * seqlen_q * k.shape[2] * head_dim < HOPPER_MIN_FLOPS):
+    if (4 * batch * heads * seqlen_q * k.shape[2] * head_dim < HOPPER_MIN_FLOPS
+            or causal and head_dim == 64 and seqlen_q < 1024):
         return None
     if not hopper_forward_applies(q, k, v, out, scale):
         return None
+    long_queries = seqlen_q >= 8192
     if head_dim == 128:
         if long_queries:
             return _GRID if causal else _PERSISTENT_GRID
         return _TWO_Q_BUFFERS
-    if causal and long_queries:
-        return _GRID_EMULATED_EXP2
+    if causal:
+        if seqlen_q < 2048:
+            return _SHORT_CAUSAL_D64
+        return _GRID_EMULATED_EXP2 if long_queries else _TWO_Q_BUFFERS_EMULATED_EXP2
+    if batch * heads * -(-seqlen_q // 128) < 2 * multiprocessors(q.device):
+        return _SMALL_GRID_D64
     return _TWO_Q_BUFFERS_EMULATED_EXP2
 
 
@@ -69,6 +77,10 @@ _GRID = MappingProxyType({"persistent": False})
 _TWO_Q_BUFFERS = MappingProxyType({"persistent": True, "q_buffers": 2})
 _GRID_EMULATED_EXP2 = MappingProxyType({"persistent": False, "emulated_exp2": 8})
 _TWO_Q_BUFFERS_EMULATED_EXP2 = MappingProxyType({"persistent": True, "q_buffers": 2, "emulated_exp2": 8})
+_SMALL_GRID_D64 = MappingProxyType({"persistent": True, "consumers": 1, "q_buffers": 2, "ctas_per_sm": 2,
+                                    "emulated_exp2": 8})
+_SHORT_CAUSAL_D64 = MappingProxyType({"persistent": True, "consumers": 1, "block_n": 64, "q_buffers": 2,
+                                      "ctas_per_sm": 3})
 
 
 def run_forward(q, k, v, *, causal_offset: int | None, scale: float, naive: bool = False,

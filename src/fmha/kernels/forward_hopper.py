@@ -5,8 +5,8 @@ causal blocks above the diagonal skipped), scheduled the way cuDNN and FlashAtte
 which Triton's automatic pipeliner does not reach on this chip:
 
 * a CTA walks query tiles of BLOCK_M = 64 x CONSUMERS rows of one (batch, head) (persistent: as
-  many CTAs as multiprocessors, or one per tile) and runs CONSUMERS + 1 warp partitions: two or
-  three consumer warpgroups of 64 rows each and one load warp;
+  many CTAs as fit on the multiprocessors, or one per tile) and runs CONSUMERS + 1 warp
+  partitions: one to three consumer warpgroups of 64 rows each and one load warp;
 * the load warp streams K and V blocks through a ring of STAGES shared-memory slots with
   bulk tensor copies (TMA); each slot has a "ready" barrier (the copy landed) and a "free"
   barrier (both consumers are done with it);
@@ -19,7 +19,10 @@ which Triton's automatic pipeliner does not reach on this chip:
   each consumer has a second Q buffer, so its next Q is loaded while it still works on the
   current tile rather than after it;
 * persistent causal programs take their tiles in pairs, the longest and the shortest query
-  block of a head, so that every program gets the same number of key blocks.
+  block of a head, so that every program gets the same number of key blocks;
+* CTAS_PER_SM > 1 lowers the registers per thread so that several CTAs share a multiprocessor:
+  with one consumer each, one CTA's tile start and end hide behind the others' work, which pays
+  on short tiles (short causal sequences) and on grids too small to fill the GPU.
 
 EMULATED_EXP2 = k computes one exponential in every k on the FMA units (a cubic polynomial,
 relative error 1e-4, far below the 16-bit rounding of P) instead of the MUFU unit, whose 16
@@ -41,6 +44,28 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 CONSUMER_WARPS = gl.constexpr(4)
+
+
+@gluon.constexpr_function
+def register_budget(consumers: int, ctas_per_sm: int) -> tuple[int, int, int]:
+    """(registers per thread at launch, per consumer thread, per load-warp thread) for CTAS_PER_SM
+    CTAs of ``consumers`` warpgroups and one load warp (padded to a warpgroup) on a multiprocessor;
+    callable from the host too.
+
+    The load warp gives its registers to the consumers (setmaxnreg); the launch count fixes how
+    many CTAs fit side by side."""
+    threads = 128 * (consumers + 1)
+    launch = 65536 // (ctas_per_sm * threads) // 8 * 8  # 64k registers per multiprocessor
+    loader = 40 if consumers == 2 and ctas_per_sm == 1 else 24
+    consumer = min(240, (launch * threads - 128 * loader) // (128 * consumers) // 8 * 8)
+    return launch, consumer, loader
+
+
+@gluon.constexpr_function
+def _worker_registers(consumers, ctas_per_sm):
+    """worker_num_regs: consumers 1.. (consumer 0 is the default partition), then the load warp."""
+    _, consumer, loader = register_budget(consumers, ctas_per_sm)
+    return [consumer] * (consumers - 1) + [loader]
 
 
 @gluon.constexpr_function
@@ -362,10 +387,11 @@ def attention_forward_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Lse,
     num_q_heads, group_size, seqlen_q, seqlen_k, causal_offset, qk_scale, num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr,
+    CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
-    with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 2 or 3, Q_BUFFERS 1 or 2."""
+    with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 1, 2 or 3, Q_BUFFERS 1 or 2;
+    CTAS_PER_SM sets the registers each partition gets (:func:`register_budget`)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
@@ -392,14 +418,17 @@ def attention_forward_hopper_kernel(
     load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, causal_offset)
     # The registers go to the consumers (setmaxnreg): the load warp needs few.
-    if CONSUMERS == 2:
+    if CONSUMERS == 1:
+        gl.warp_specialize(
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, CAUSAL, CONSUMERS))],
+            worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
+    elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
              (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
              (_load_partition, (load_args, BLOCK_N, STAGES, CAUSAL, CONSUMERS))],
-            worker_num_warps=[CONSUMER_WARPS, 1],
-            worker_num_regs=[232, 40],
-        )
+            worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
@@ -407,5 +436,4 @@ def attention_forward_hopper_kernel(
              (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, EMULATED_EXP2)),
              (_load_partition, (load_args, BLOCK_N, STAGES, CAUSAL, CONSUMERS))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
-            worker_num_regs=[160, 160, 24],
-        )
+            worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
