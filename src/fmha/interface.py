@@ -23,7 +23,8 @@ Supported
   ``fmha::backward``) with fake implementations.
 * Kernels: on Hopper (sm_90), fp16/bf16 forwards with D = 64 or 128 of at least 2^32 FLOPs run a
   warp-specialised Gluon kernel (``fmha.kernels.forward_hopper``; at D = 64 with a causal mask
-  only from 4k queries, below which it is not faster); every other call, and every other GPU,
+  only from 1k queries, below which it was not measured against the portable kernel); every
+  other call, and every other GPU,
   runs the portable Triton kernel with tuned tiles. Both give the same results within the
   error rule.
 
