@@ -5,6 +5,7 @@ D=64 without the emulated exponentials, for comparison. ``--set short-causal``: 
 S=1k std shapes, each on the default path and on an alternative (D=64: the Hopper kernel's
 two-consumer paired persistent schedule beside the default, one consumer per CTA and three CTAs
 per multiprocessor; D=128: the per-tile grid beside the paired persistent default).
+``--set below-cudnn``: the default path on each case that stays below SDPA cuDNN.
 
     ncu --clock-control none --kernel-name regex:attention_forward \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
@@ -24,6 +25,9 @@ SETS = {  # (B, H, S, D, causal, Hopper options to launch beside the default pat
     "long": [(4, 16, 4096, 128, False, None), (4, 32, 4096, 64, False, {})],
     "short-causal": [(16, 32, 1024, 64, True, {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}),
                      (16, 16, 1024, 128, True, {"persistent": False})],
+    # the default path on every seeds/std case that stays below SDPA cuDNN in repeated runs
+    "below-cudnn": [(8, 16, 1024, 64, False, None), (16, 16, 2048, 64, False, None), (4, 32, 4096, 64, False, None),
+                    (16, 32, 1024, 64, True, None), (4, 32, 4096, 64, True, None), (16, 16, 1024, 128, True, None)],
 }
 
 parser = argparse.ArgumentParser()
