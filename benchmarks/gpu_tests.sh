@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # GPU correctness run (device): the `gpu`-marked tests in parallel shards (kernel compilation is
 # CPU-bound, so shards sharing one GPU finish several times sooner). Summary written to $1;
-# $2 (optional) limits the run to some test files, e.g. tests/test_gpu_backward.py.
+# $2 (optional) limits the run to some test files, e.g. tests/test_gpu_backward.py; PART=i/n (optional)
+# to the i-th of n slices of them.
 set -o pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 out=${1:-/dev/stdout}
 shards=${SHARDS:-6}
 work=$(mktemp -d)
-python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${2:-tests/} | grep '::' > "$work/ids"
+python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${2:-tests/} | grep '::' > "$work/all"
+# PART=i/n runs the i-th of n equal slices of the tests (i from 1): long grids in calls that fit a time limit.
+if [ -n "$PART" ]; then
+  split -n l/"${PART#*/}" -d -a 3 "$work/all" "$work/part."
+  cp "$work/part.$(printf %03d $(( ${PART%/*} - 1 )))" "$work/ids"
+else
+  cp "$work/all" "$work/ids"
+fi
 split -n l/"$shards" -d "$work/ids" "$work/shard."
 for ids in "$work"/shard.*; do
   python3 -m pytest -q -m gpu -p no:cacheprovider --tb=line -rfE $(cat "$ids") > "$ids.log" 2>&1 &
 done
 wait
 {
-  echo "$(wc -l < "$work/ids") gpu tests in $shards shards, $(date -u +%FT%TZ)"
+  echo "$(wc -l < "$work/ids") gpu tests${PART:+ (part $PART of $(wc -l < "$work/all"))} in $shards shards, $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   for log in "$work"/shard.*.log; do grep -E '^(FAILED|ERROR|E )|^/.*:[0-9]+: |passed|failed|error' "$log"; done
