@@ -146,14 +146,16 @@ def hopper_compile_options(consumers: int, ctas_per_sm: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_hopper_forward(device: torch.device, *static_config):
+def _compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: int, block_n: int, stages: int,
+                             causal: bool, consumers: int, emulated_exp2: int, q_buffers: int, ctas_per_sm: int):
     """Compiled once per device and static configuration (Triton's disk cache still applies) and
     launched directly: this skips the JIT's per-call work of binding ~20 arguments, computing
     their specialisation (the descriptors' layouts included) and hashing the cache key."""
-    source, constants = hopper_forward_source(*static_config)
+    source, constants = hopper_forward_source(dtype, head_dim, block_n, stages, causal, consumers, emulated_exp2,
+                                              q_buffers, ctas_per_sm)
     with torch.cuda.device(device):
         compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(),
-                                  options=hopper_compile_options(static_config[5], static_config[8]))
+                                  options=hopper_compile_options(consumers, ctas_per_sm))
         compiled._init_handles()  # loads the module on this device
     return compiled, constants
 
@@ -163,13 +165,13 @@ def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale
                           emulated_exp2: int = 0, q_buffers: int = 1, ctas_per_sm: int = 1):
     """The Gluon forward (see :func:`hopper_forward_applies`); same outputs as :func:`launch_forward`.
 
-    ``persistent``: one program per multiprocessor walks the tiles (the next tile's loads overlap
-    the current tile's end); otherwise one program per tile. ``consumers``: 2 or 3 warpgroups of
-    64 query rows per tile. ``emulated_exp2`` (0, 2, 4 or 8): one exponential in that many is
+    ``persistent``: ``ctas_per_sm`` programs per multiprocessor walk the tiles (the next tile's
+    loads overlap the current tile's end); otherwise one program per tile. ``consumers``: 1, 2 or
+    3 warpgroups of 64 query rows per tile. ``emulated_exp2`` (0, 2, 4 or 8): one exponential in that many is
     computed on the FMA units (:mod:`fmha.kernels.forward_hopper`). ``q_buffers`` 2: each consumer's
     next Q tile loads while it works on the current one. ``ctas_per_sm``: CTAs sharing a
-    multiprocessor (the persistent grid grows with it; registers per thread shrink). Returns the
-    compiled kernel.
+    multiprocessor (registers per thread shrink with it; at D=128 only one consumer with 64-key
+    blocks fits two, and ptxas refuses three). Returns the compiled kernel.
     """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -260,7 +262,6 @@ def launch_forward(q, k, v, out, lse, *, causal_offset: int | None, scale: float
     return compiled
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
     """Programs of a persistent launch: one per multiprocessor (a few under the interpreter)."""
