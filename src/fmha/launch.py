@@ -167,28 +167,29 @@ def launch_forward_hopper(q, k, v, out, lse, *, causal_offset: int | None, scale
 
     ``persistent``: ``ctas_per_sm`` programs per multiprocessor walk the tiles (the next tile's
     loads overlap the current tile's end); otherwise one program per tile. ``consumers``: 1, 2 or
-    3 warpgroups of 64 query rows per tile. ``emulated_exp2`` (0, 2, 4 or 8): one exponential in that many is
-    computed on the FMA units (:mod:`fmha.kernels.forward_hopper`). ``q_buffers`` 2: each consumer's
+    3 warpgroups of 64 query rows per tile. ``emulated_exp2`` (0, 2, 4 or 8): one exponential in
+    that many is computed on the FMA units (:mod:`fmha.kernels.forward_hopper`). ``q_buffers`` 2: each consumer's
     next Q tile loads while it works on the current one. ``ctas_per_sm``: CTAs sharing a
     multiprocessor (registers per thread shrink with it; at D=128 only one consumer with 64-key
     blocks fits two, and ptxas refuses three). Returns the compiled kernel.
     """
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    compiled, constants = _compiled_hopper_forward(q.device, q.dtype, head_dim, block_n, stages,
+    device = q.device  # a new object per access: read once on this per-call path
+    compiled, constants = _compiled_hopper_forward(device, q.dtype, head_dim, block_n, stages,
                                                    causal_offset is not None, consumers, emulated_exp2,
                                                    q_buffers, ctas_per_sm)
     num_tiles = -(-seqlen_q // (consumers * HOPPER_CONSUMER_ROWS)) * batch * num_q_heads
     if not persistent:
         grid = num_tiles
     elif causal_offset is not None:
-        grid = min((num_tiles + 1) // 2, ctas_per_sm * multiprocessors(q.device))  # programs walk pairs
+        grid = min((num_tiles + 1) // 2, ctas_per_sm * multiprocessors(device))  # programs walk pairs
     else:
-        grid = min(num_tiles, ctas_per_sm * multiprocessors(q.device))
+        grid = min(num_tiles, ctas_per_sm * multiprocessors(device))
     args = (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out), lse,
             num_q_heads, num_q_heads // num_kv_heads, seqlen_q, seqlen_k,
             0 if causal_offset is None else causal_offset, scale * LOG2_E, num_tiles, *constants)
-    _run_compiled(compiled, grid, q.device, args)
+    _run_compiled(compiled, grid, device, args)
     return compiled
 
 

@@ -56,6 +56,7 @@ def register_budget(consumers: int, ctas_per_sm: int) -> tuple[int, int, int]:
     many CTAs fit side by side."""
     threads = 128 * (consumers + 1)
     launch = 65536 // (ctas_per_sm * threads) // 8 * 8  # 64k registers per multiprocessor
+    # 24 is setmaxnreg's minimum; the two-consumer build keeps the 40 it was measured with.
     loader = 40 if consumers == 2 and ctas_per_sm == 1 else 24
     consumer = min(240, (launch * threads - 128 * loader) // (128 * consumers) // 8 * 8)
     return launch, consumer, loader
