@@ -15,8 +15,8 @@ from triton.tools.disasm import get_sass
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
-from fmha.bench import cases, metrics
-from fmha.bench.runner import environment, make_inputs, time_ms
+from fmha.tools.bench import cases, metrics
+from fmha.tools.bench.runner import environment, make_inputs, time_ms
 from fmha.config import ForwardConfig, KernelFeatures, heuristic_forward_config
 from fmha.launch import default_scale, launch_forward
 

@@ -18,8 +18,8 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from fmha import launch, ops
-from fmha.bench import cases, metrics
-from fmha.bench.runner import environment, make_inputs, time_ms
+from fmha.tools.bench import cases, metrics
+from fmha.tools.bench.runner import environment, make_inputs, time_ms
 from fmha.launch import default_scale, launch_forward_hopper
 from hopper_forward import sdpa  # the SDPA peers of the variant benchmark beside this script
 

@@ -10,8 +10,8 @@ import sys
 import torch
 import triton.testing
 
-from fmha.bench.cases import Case
-from fmha.bench.metrics import tflops
+from fmha.tools.bench.cases import Case
+from fmha.tools.bench.metrics import tflops
 from fmha.config import BackwardConfig, heuristic_backward_config
 from fmha.launch import default_scale
 from fmha.ops import run_backward, run_forward

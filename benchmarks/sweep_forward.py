@@ -12,8 +12,8 @@ import torch
 import triton.testing
 
 import fmha
-from fmha.bench import cases, metrics
-from fmha.bench.runner import environment, make_inputs
+from fmha.tools.bench import cases, metrics
+from fmha.tools.bench.runner import environment, make_inputs
 
 
 def candidates(head_dim):

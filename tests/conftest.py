@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from fmha.launch import INTERPRETED  # noqa: E402
+from fmha.runtime import INTERPRETED  # noqa: E402
 
 _torch_empty = torch.empty
 _torch_empty_like = torch.empty_like

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fmha.bench.cases import Case, parse_shape, suite_cases
-from fmha.bench.metrics import ChipLimits, attention_flops, fused_bytes, naive_bytes, tflops
-from fmha.bench.runner import validate_results
+from fmha.tools.bench.cases import Case, parse_shape, suite_cases
+from fmha.tools.bench.metrics import ChipLimits, attention_flops, fused_bytes, naive_bytes, tflops
+from fmha.tools.bench.runner import validate_results
 from fmha.cache import read_json, write_json_atomic
 
 FIXTURE = Path(__file__).parent / "fixtures" / "h100_seeds_results.json"

@@ -6,7 +6,7 @@ import sys
 import torch
 
 import fmha
-from fmha.cli import NO_CUDA_MESSAGE, info_lines, main
+from fmha.tools.cli import NO_CUDA_MESSAGE, info_lines, main
 
 
 def test_info_lists_versions_and_peers(capsys):

@@ -10,8 +10,9 @@ import torch
 
 import fmha
 from fmha import ForwardConfig
-from fmha.config import KernelFeatures
-from fmha.launch import launch_forward, tma_compatible
+from fmha.backends.triton.config import KernelFeatures
+from fmha.backends.triton.launch import launch_forward, tma_compatible
+from fmha.params import attention_params
 
 from .helpers import assert_close_to_reference, random_qkv
 
@@ -144,8 +145,8 @@ def test_kernel_features(features, causal):
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"))
     offset = _offset(causal, 37, 53)
-    launch_forward(q, k, v, out, lse, causal_offset=offset, scale=40 ** -0.5,
-                   config=ForwardConfig(32, 16, 1, 1), features=features)
+    params = attention_params("test", q, k, v, causal=causal)
+    launch_forward(q, k, v, out, lse, params, ForwardConfig(32, 16, 1, 1), features)
     assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse)
 
 
@@ -163,17 +164,19 @@ def test_tma_needs_aligned_rows():
     assert not tma_compatible(aligned.expand(1, 2, 8, 64).as_strided((1, 2, 8, 64), (0, 0, 64, 1)))
 
 
-def test_direct_launch_keys_on_everything_the_jit_specialises():
-    """The compiled portable forward is reused for calls whose integer arguments Triton's JIT
-    would specialise alike: the reuse key must separate every pair of values the JIT separates."""
-    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
-    from triton.backends.compiler import BaseBackend
+def test_a_repeated_call_signature_reuses_its_prepared_forward():
+    """The hot path: validation and dispatch run once per signature (shapes, strides, options)."""
+    from fmha import api, dispatch
 
-    from fmha.launch import _integer_specialisation
-
-    values = [0, 1, 2, 15, 16, 17, 32, 64, 1000, 4096, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
-              -2**31, -2**31 - 16, 2**40, 2**40 + 1]
-    for a in values:
-        for b in values:
-            if native(BaseBackend, a, False, True, True) != native(BaseBackend, b, False, True, True):
-                assert _integer_specialisation(a) != _integer_specialisation(b), (a, b)
+    api._prepared.clear()
+    dispatch._prepared.clear()
+    q, k, v = random_qkv(1, 2, 2, 20, 24, 16, torch.float16)
+    first = fmha.attention(q, k, v, causal=True)
+    second = fmha.attention(q, k, v, causal=True)
+    assert len(api._prepared) == 1 and len(dispatch._prepared) == 1
+    assert torch.equal(first, second)
+    q2, k2, v2 = random_qkv(1, 2, 2, 20, 24, 16, torch.float16, layout="bshd")  # other strides: prepared anew
+    assert_close_to_reference(fmha.attention(q2, k2, v2, causal=True), q2, k2, v2, causal_offset=4)
+    assert len(dispatch._prepared) == 2
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        fmha.attention(q, k, v, causal=1)  # same hash as True: still checked

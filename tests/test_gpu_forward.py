@@ -82,7 +82,7 @@ def test_long_sequence_allocates_no_score_matrix():
     assert (out[:, :, tail].double() - ref).abs().max().item() < 2e-2
 
 
-HOPPER_SCHEDULES = {  # launch_forward_hopper options; names without spaces (test ids pass through a shell)
+HOPPER_SCHEDULES = {  # HopperSchedule fields; names without spaces (test ids pass through a shell)
     "grid": {"persistent": False},
     "persistent": {"persistent": True},
     "emulated_exp2_1_in_8": {"emulated_exp2": 8},
@@ -104,41 +104,35 @@ D64_ONLY_SCHEDULES = {"one_consumer_three_ctas_per_sm_64_keys", "one_consumer_th
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_hopper_kernel_schedules(dtype, head_dim, causal, schedule):
-    """The Gluon kernel's grids and softmax variants, on more tiles than multiprocessors."""
-    from fmha.launch import default_scale, hopper_forward_applies, launch_forward_hopper
-
+    """The Gluon kernel's grids and softmax variants, on more tiles than multiprocessors, through
+    an explicit ``config=HopperSchedule(...)``."""
     if head_dim != 64 and schedule in D64_ONLY_SCHEDULES:
         pytest.skip("D=64 only")
-
-    q, k, v = random_qkv(4, 16, 4, 777, 1500, head_dim, dtype, device="cuda", layout="bshd")
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    if not hopper_forward_applies(q, k, v, out, 1.0):
+    if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an sm_90 GPU")
+    q, k, v = random_qkv(4, 16, 4, 777, 1500, head_dim, dtype, device="cuda", layout="bshd")
+    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True,
+                              config=fmha.HopperSchedule(**HOPPER_SCHEDULES[schedule]))
     offset = 1500 - 777 if causal else None
-    launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(head_dim),
-                          **HOPPER_SCHEDULES[schedule])
     assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape, causal, plan", [
-    ((16, 2, 2, 1024, 1024), True, "_SHORT_CAUSAL_D64"),
-    ((6, 4, 2, 1500, 1500), True, "_SHORT_CAUSAL_D64"),
-    ((8, 4, 4, 1100, 1700), True, "_SHORT_CAUSAL_D64"),  # bottom-right causal: Sk > Sq
-    ((1, 16, 16, 1024, 1024), False, "_SMALL_GRID_D64"),
-    ((1, 3, 1, 3000, 2000), False, "_SMALL_GRID_D64"),
+    ((16, 2, 2, 1024, 1024), True, "one_consumer_three_ctas_per_sm_64_keys"),
+    ((6, 4, 2, 1500, 1500), True, "one_consumer_three_ctas_per_sm_64_keys"),
+    ((8, 4, 4, 1100, 1700), True, "one_consumer_three_ctas_per_sm_64_keys"),  # bottom-right causal: Sk > Sq
+    ((1, 16, 16, 1024, 1024), False, "one_consumer_two_ctas_per_sm"),
+    ((1, 3, 1, 3000, 2000), False, "one_consumer_two_ctas_per_sm"),
 ], ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else str(value))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_default_path_schedules(dtype, shape, causal, plan):
     """fmha.attention on shapes where the default path picks each one-consumer schedule."""
-    from fmha import ops
-
     batch, q_heads, kv_heads, seqlen_q, seqlen_k = shape
     q, k, v = random_qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, 64, dtype, device="cuda", layout="bshd")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel's schedules")
-    scale = 64 ** -0.5
-    assert ops.hopper_forward_plan(q, k, v, torch.empty_like(q), scale=scale, causal=causal) == getattr(ops, plan)
+    explanation = fmha.explain(q, k, v, causal=causal)
+    assert explanation.backend == "gluon_sm90" and explanation.config == fmha.HopperSchedule(**HOPPER_SCHEDULES[plan])
     out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
     assert_close_to_reference(out, q, k, v, causal_offset=seqlen_k - seqlen_q if causal else None,
                               lse=lse, atol=1e-5)
@@ -151,17 +145,13 @@ def test_default_path_schedules(dtype, shape, causal, plan):
 def test_hopper_causal_pairs_cover_every_tile(head_dim, shape, schedule):
     """Persistent causal programs walk pairs of tiles: odd tile counts (the last pair is one tile),
     pairs that straddle two heads (odd query blocks per head) and fewer pairs than multiprocessors."""
-    from fmha.launch import default_scale, hopper_forward_applies, launch_forward_hopper
-
     if head_dim != 64 and schedule in D64_ONLY_SCHEDULES:
         pytest.skip("D=64 only")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
     batch, q_heads, kv_heads, seqlen_q, seqlen_k = shape
     q, k, v = random_qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, torch.bfloat16, device="cuda")
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    if not hopper_forward_applies(q, k, v, out, 1.0):
-        pytest.skip("needs an sm_90 GPU")
     offset = seqlen_k - seqlen_q
-    launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(head_dim),
-                          **HOPPER_SCHEDULES[schedule])
+    out, lse = fmha.attention(q, k, v, causal=True, return_lse=True,
+                              config=fmha.HopperSchedule(**HOPPER_SCHEDULES[schedule]))
     assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from fmha.bench.runner import validate_results
-from fmha.cli import main
+from fmha.tools.bench.runner import validate_results
+from fmha.tools.cli import main
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fmha
-from fmha.config import BackwardConfig
+from fmha.backends.triton.config import BackwardConfig
 from fmha.tuning import lookup, store
 from fmha.tuning.key import ShapeKey, device_key
 
@@ -54,9 +54,10 @@ def test_backward_autotune_searches_a_missing_key_once_and_stores_it(tmp_path, m
 
 
 def test_underfilled_grid_gets_narrow_query_tiles():
-    from fmha.tuning.lookup import UNDERFILLED_GRID_CONFIG, forward_config
+    from fmha.params import attention_params
+    from fmha.tuning.lookup import UNDERFILLED_GRID_CONFIG, portable_config
 
     small = torch.empty(1, 16, 1024, 64, device="cuda", dtype=torch.bfloat16)
     large = torch.empty(8, 16, 1024, 64, device="cuda", dtype=torch.bfloat16)
-    assert forward_config(small, small, False) == UNDERFILLED_GRID_CONFIG
-    assert forward_config(large, large, False) != UNDERFILLED_GRID_CONFIG
+    assert portable_config(attention_params("test", small, small, small))[0] == UNDERFILLED_GRID_CONFIG
+    assert portable_config(attention_params("test", large, large, large))[0] != UNDERFILLED_GRID_CONFIG

@@ -13,7 +13,12 @@ import sys
 import pytest
 import torch
 
-from fmha import launch, ops
+import fmha
+
+from fmha import HopperSchedule
+from fmha.backends.gluon_sm90 import backend as hopper_backend
+from fmha.params import attention_params
+from fmha.tuning import schedules
 
 gluon = pytest.importorskip("triton.experimental.gluon")
 
@@ -27,16 +32,18 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.tools.disasm import get_sass
-from fmha import launch
+from fmha import HopperSchedule
+from fmha.backends.gluon_sm90 import launch
 
 report = {}
 for variant in json.loads(sys.argv[1]):
     head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm = variant
+    schedule = HopperSchedule(block_n=block_n, stages=stages, consumers=consumers, emulated_exp2=emulated_exp2,
+                              q_buffers=q_buffers, ctas_per_sm=ctas_per_sm)
     # The very source, signature and options the launcher compiles on a GPU.
-    source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, block_n, stages, causal, consumers,
-                                              emulated_exp2, q_buffers, ctas_per_sm)
+    source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=launch.hopper_compile_options(consumers, ctas_per_sm))
+                              options=launch.hopper_compile_options(schedule))
     sass = get_sass(compiled.asm["cubin"])
     report[",".join(map(str, variant))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2")},
@@ -98,60 +105,78 @@ def test_second_q_buffer_per_consumer(hopper_builds, head_dim):
     assert extra <= two - one < extra + 1024
 
 
-def test_not_applicable_off_hopper():
+def params_of(batch, seqlen, head_dim, causal, dtype=torch.bfloat16):
+    q = torch.empty(1, dtype=dtype).expand(batch, 16, seqlen, head_dim)
+    return attention_params("test", q, q, q, causal=causal)
+
+
+def test_refused_off_hopper_with_a_reason():
     q = torch.randn(1, 2, 128, 64, dtype=torch.float16)
-    assert not launch.hopper_forward_applies(q, q, q, q, 0.125)
-    assert ops.hopper_forward_plan(q, q, q, q, scale=0.125, causal=False) is None
+    params = attention_params("test", q, q, q)
+    reason = hopper_backend.HopperBackend().refusal(params, q, q, q)
+    assert reason and ("interpreter" in reason or "TRITON_INTERPRET" in reason or "CUDA" in reason)
 
 
-def test_plan_follows_the_measurements(monkeypatch):
-    monkeypatch.setattr(ops, "hopper_forward_applies", lambda *args: True)
-    monkeypatch.setattr(ops, "multiprocessors", lambda device: 132)  # the H100's
-
+def test_shipped_rules_follow_the_measurements():
+    """The shipped sm_90 rules (tuning data) reproduce the measured table of docs/perf.md."""
     def plan(seqlen, head_dim, causal, batch=8):
-        q = torch.empty(1).expand(batch, 16, seqlen, head_dim)
-        return ops.hopper_forward_plan(q, q, q, q, scale=0.1, causal=causal)
+        schedule, _ = schedules.shipped_schedule(params_of(batch, seqlen, head_dim, causal), "sm_90", 132)
+        return schedule
 
-    assert plan(1024, 128, causal=False) == {"persistent": True, "q_buffers": 2}
-    assert plan(16384, 128, causal=False) == {"persistent": True}
-    assert plan(1024, 128, causal=True) == {"persistent": True, "q_buffers": 2}
-    assert plan(16384, 128, causal=True) == {"persistent": False}
-    assert plan(1024, 64, causal=False) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
-    assert plan(16384, 64, causal=False) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
-    short_causal = {"persistent": True, "consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 3}
+    assert plan(1024, 128, causal=False) == HopperSchedule(persistent=True, q_buffers=2)
+    assert plan(16384, 128, causal=False) == HopperSchedule(persistent=True)
+    assert plan(1024, 128, causal=True) == HopperSchedule(persistent=True, q_buffers=2)
+    assert plan(16384, 128, causal=True) == HopperSchedule(persistent=False)
+    assert plan(1024, 64, causal=False) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
+    assert plan(16384, 64, causal=False) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
+    short_causal = HopperSchedule(persistent=True, consumers=1, block_n=64, q_buffers=2, ctas_per_sm=3)
     assert plan(1024, 64, causal=True) == short_causal
     assert plan(512, 64, causal=True) is None  # not measured against the portable kernel
-    assert plan(2048, 64, causal=True) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
-    assert plan(4096, 64, causal=True) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
-    assert plan(16384, 64, causal=True) == {"persistent": False, "emulated_exp2": 8}
+    assert plan(2048, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
+    assert plan(4096, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
+    assert plan(16384, 64, causal=True) == HopperSchedule(persistent=False, emulated_exp2=8)
     # 128 or 256 tiles of 128 rows: fewer than two per multiprocessor
-    small_grid = {"persistent": True, "consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, "emulated_exp2": 8}
+    small_grid = HopperSchedule(persistent=True, consumers=1, q_buffers=2, ctas_per_sm=2, emulated_exp2=8)
     assert plan(1024, 64, causal=False, batch=1) == small_grid
     assert plan(1024, 64, causal=False, batch=2) == small_grid
-    assert plan(1024, 64, causal=False, batch=3) == {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}
+    assert plan(1024, 64, causal=False, batch=3) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
     assert plan(512, 64, causal=False, batch=1) is None  # the portable kernel's small tiles
+    schedule, rule = schedules.shipped_schedule(params_of(8, 1024, 64, False), "sm_80", 108)
+    assert schedule is None and "sm_80" in rule
 
 
-@pytest.mark.parametrize("reason", ["dtype", "head_dim", "scale", "stride"])
-def test_applies_only_where_the_kernel_can_run(monkeypatch, reason):
-    monkeypatch.setattr(launch, "INTERPRETED", False)
-    monkeypatch.setattr(launch, "_compute_capability", lambda device: (9, 0))
-
-    class FakeCuda:
-        type = "cuda"
+@pytest.mark.parametrize("reason, pattern", [("dtype", "float16 or bfloat16"), ("head_dim", "head dim 96"),
+                                             ("scale", "positive scale"), ("stride", "TMA")])
+def test_refusals_name_the_reason(monkeypatch, reason, pattern):
+    monkeypatch.setattr(hopper_backend, "INTERPRETED", False)
+    monkeypatch.setattr(hopper_backend, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(hopper_backend, "gluon_unavailable", lambda: None)
 
     def tensor(shape=(1, 2, 128, 64), dtype=torch.bfloat16):
         return torch.empty(shape, dtype=dtype)
 
-    q, scale = tensor(), 0.125
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: FakeCuda()))
-    assert launch.hopper_forward_applies(q, q, q, q, scale)
+    def refusal(q, **kwargs):
+        params = attention_params("test", q, q, q, **kwargs)
+        params = type(params)(*[getattr(params, name) for name in ("batch", "q_heads", "kv_heads", "seqlen_q",
+                                                                   "seqlen_k", "head_dim", "dtype")],
+                              torch.device("cuda", 0), params.options)
+        return hopper_backend.HopperBackend().refusal(params, q, q, q)
+
+    assert refusal(tensor()) is None
     if reason == "dtype":
-        q = tensor(dtype=torch.float32)
+        found = refusal(tensor(dtype=torch.float32))
     elif reason == "head_dim":
-        q = tensor(shape=(1, 2, 128, 96))
+        found = refusal(tensor(shape=(1, 2, 128, 96)))
     elif reason == "scale":
-        scale = -0.125
+        found = refusal(tensor(), scale=-0.125)
     else:
-        q = tensor(shape=(1, 2, 128, 68))[..., :64]  # rows 136 bytes apart: not 16-byte aligned
-    assert not launch.hopper_forward_applies(q, q, q, q, scale)
+        found = refusal(tensor(shape=(1, 2, 128, 68))[..., :64])  # rows 136 bytes apart: not 16-byte aligned
+    assert found is not None and pattern in found
+
+
+def test_an_explicit_schedule_that_cannot_run_raises_instead_of_switching_kernels():
+    q = torch.randn(1, 2, 64, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="gluon_sm90 backend, which cannot run this call"):
+        fmha.attention(q, q, q, config=HopperSchedule())
+    explanation = fmha.explain(q, q, q, config=fmha.ForwardConfig(16, 16, 1, 1))
+    assert explanation.backend == "triton" and explanation.source == "explicit config="

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fmha.bench.runner import validate_results
-from fmha.cli import main
-from fmha.report.markdown import render_report
-from fmha.report.plots import make_plots
+from fmha.tools.bench.runner import validate_results
+from fmha.tools.cli import main
+from fmha.tools.report.markdown import render_report
+from fmha.tools.report.plots import make_plots
 
 FIXTURE = Path(__file__).parent / "fixtures" / "h100_seeds_results.json"
 

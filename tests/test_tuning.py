@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from fmha.config import BackwardConfig, ForwardConfig, heuristic_backward_config
+from fmha.backends.triton.config import BackwardConfig, ForwardConfig, heuristic_backward_config
 from fmha.tuning import lookup, store
 from fmha.tuning.key import ShapeKey, length_bucket
 from fmha.tuning.space import (
@@ -117,7 +117,7 @@ def _write_many(args):
     import os
 
     os.environ["FMHA_CACHE_DIR"] = cache
-    from fmha.config import ForwardConfig as Config
+    from fmha.backends.triton.config import ForwardConfig as Config
     from fmha.tuning import store as tuning_store
 
     for index in range(25):
@@ -170,8 +170,8 @@ def test_shipped_defaults_hold_valid_configs():
 
 
 def test_interpreter_pins_one_small_config():
-    from fmha.config import INTERPRETER_FORWARD_CONFIG
-    from fmha.launch import INTERPRETED
+    from fmha.backends.triton.config import INTERPRETER_FORWARD_CONFIG
+    from fmha.runtime import INTERPRETED
 
     if not INTERPRETED:
         pytest.skip("CPU interpreter only")
@@ -179,7 +179,7 @@ def test_interpreter_pins_one_small_config():
 
 
 def test_tune_dry_run_lists_pruned_candidates_without_a_gpu(capsys):
-    from fmha.cli import main
+    from fmha.tools.cli import main
 
     assert main(["tune", "--dry-run", "--suite", "seeds"]) == 0
     text = capsys.readouterr().out
@@ -189,7 +189,7 @@ def test_tune_dry_run_lists_pruned_candidates_without_a_gpu(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU message")
 def test_tune_without_gpu_says_so(capsys):
-    from fmha.cli import main
+    from fmha.tools.cli import main
 
     assert main(["tune", "--suite", "seeds"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
@@ -330,23 +330,26 @@ def test_record_to_config_ignores_extra_fields_and_rejects_incomplete_records():
 
 
 def test_run_backward_uses_the_looked_up_config_unless_one_is_given(fake_gpu, monkeypatch):
-    from fmha import ops
+    from fmha import dispatch
+    from fmha.backends.triton import backend
+    from fmha.params import attention_params
 
     launched = []
-    monkeypatch.setattr(ops, "INTERPRETED", False)  # the compiled path's lookup, without compiling
-    monkeypatch.setattr(ops, "launch_backward", lambda *args, config, **kwargs: launched.append(config))
+    monkeypatch.setattr(backend, "INTERPRETED", False)  # the compiled path's lookup, without compiling
+    monkeypatch.setattr(backend, "launch_backward", lambda *args: launched.append(args[-1]))
     text = ShapeKey.of("bwd", torch.float16, 32, True, 4, 2, 40, 50).text()
     store.store(FAKE_DEVICE, {text: store.config_to_record(BackwardConfig(16, 32, 8, 3))})
     q, k, v = (torch.randn(1, heads, seqlen, 32, dtype=torch.float16) for heads, seqlen in ((4, 40), (2, 50), (2, 50)))
     out, lse = torch.randn_like(q), torch.randn(1, 4, 40)
-    ops.run_backward(torch.randn_like(q), q, k, v, out, lse, causal_offset=10, scale=0.1)
+    params = attention_params("test", q, k, v, causal=True, scale=0.1)
+    dispatch.run_backward(torch.randn_like(q), q, k, v, out, lse, params)
     explicit = BackwardConfig(32, 64, 4, 2)
-    ops.run_backward(torch.randn_like(q), q, k, v, out, lse, causal_offset=10, scale=0.1, config=explicit)
+    dispatch.run_backward(torch.randn_like(q), q, k, v, out, lse, params, config=explicit)
     assert launched == [BackwardConfig(16, 32, 8, 3), explicit] and type(launched[0]) is BackwardConfig
 
 
 def test_tune_dry_run_lists_backward_candidates(capsys):
-    from fmha.cli import main
+    from fmha.tools.cli import main
 
     assert main(["tune", "--dry-run", "--kernel", "bwd", "--suite", "seeds"]) == 0
     text = capsys.readouterr().out
@@ -360,7 +363,7 @@ def test_tune_dry_run_lists_backward_candidates(capsys):
 
 
 def test_write_defaults_adds_backward_entries_and_keeps_the_rest(tmp_path):
-    from fmha.tuning.command import write_defaults
+    from fmha.tools.tune import write_defaults
 
     path = tmp_path / "forward.json"
     path.write_text(lookup.SHIPPED_DEFAULTS.read_text())

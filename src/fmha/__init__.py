@@ -1,14 +1,20 @@
-"""fmha: exact fused multi-head attention in Triton."""
-
-__version__ = "0.1.0"  # first: submodules record it in tuning keys
+"""fmha: exact fused multi-head attention in Triton and Gluon."""
 
 from . import reference
-from .config import ForwardConfig
-from .interface import attention, naive_attention, scaled_dot_product_attention
+from ._version import __version__
+from .api import attention, explain, naive_attention, scaled_dot_product_attention
+from .backends.gluon_sm90.schedule import HopperSchedule
+from .backends.triton.config import BackwardConfig, ForwardConfig
+from .params import AttentionOptions, AttentionParams
 
 __all__ = [
+    "AttentionOptions",
+    "AttentionParams",
+    "BackwardConfig",
     "ForwardConfig",
+    "HopperSchedule",
     "attention",
+    "explain",
     "naive_attention",
     "reference",
     "scaled_dot_product_attention",

@@ -8,8 +8,9 @@ Two NumPy implementations of the same function:
 * :func:`direct_attention` materialises softmax(Q K^T * scale) V.
 
 Shapes follow the library: q is (B, Hq, Sq, D), k and v are (B, Hkv, Sk, D) with
-Hq % Hkv == 0. ``causal_offset`` is the diagonal: query i sees key j iff
-j <= i + causal_offset. :func:`causal_offset` gives it for both alignments.
+Hq % Hkv == 0. Which keys a row sees is :class:`fmha.masking.Window` (``window=``), or, for the
+causal case, ``causal_offset``: query i sees key j iff j <= i + causal_offset
+(:func:`causal_offset` gives it for both alignments).
 Both functions return ``(out, lse)`` with the natural-log LSE of shape (B, Hq, Sq);
 a row that sees no key gets zeros and LSE = -inf.
 """
@@ -20,6 +21,8 @@ import math
 
 import numpy as np
 import torch
+
+from .masking import Window, window_of
 
 __all__ = ["causal_offset", "online_attention", "direct_attention", "dense_attention"]
 
@@ -52,16 +55,17 @@ def _prepare(q, k, v, scale):
     return q, k, v, float(scale)
 
 
-def _visible(seqlen_q: int, key_index: np.ndarray, offset: int | None) -> np.ndarray:
+def _visible(seqlen_q: int, key_index: np.ndarray, window: Window | None) -> np.ndarray:
     """Boolean (Sq, len(key_index)) mask of the keys each query row may see."""
-    if offset is None:
+    if window is None:
         return np.ones((seqlen_q, key_index.size), dtype=bool)
-    return key_index[None, :] <= np.arange(seqlen_q)[:, None] + offset
+    return window.visible(np.arange(seqlen_q), key_index)
 
 
-def online_attention(q, k, v, *, scale=None, causal_offset=None, block_n: int = 64):
+def online_attention(q, k, v, *, scale=None, causal_offset=None, window: Window | None = None, block_n: int = 64):
     """Blockwise online-softmax attention in float64: holds at most Sq x block_n scores."""
     q, k, v, scale = _prepare(q, k, v, scale)
+    window = window_of(causal_offset, window)
     batch, heads, seqlen_q, _ = q.shape
     seqlen_k = k.shape[2]
     running_max = np.full((batch, heads, seqlen_q), -np.inf)
@@ -70,7 +74,7 @@ def online_attention(q, k, v, *, scale=None, causal_offset=None, block_n: int = 
     for start in range(0, seqlen_k, block_n):
         keys = np.arange(start, min(start + block_n, seqlen_k))
         scores = np.einsum("bhqd,bhkd->bhqk", q, k[:, :, keys]) * scale  # [B, H, Sq, block_n]
-        scores = np.where(_visible(seqlen_q, keys, causal_offset), scores, -np.inf)
+        scores = np.where(_visible(seqlen_q, keys, window), scores, -np.inf)
         new_max = np.maximum(running_max, scores.max(axis=-1))
         # Rows that have seen nothing yet keep max = -inf; exp(-inf - 0) = 0 avoids inf - inf.
         safe_max = np.where(np.isneginf(new_max), 0.0, new_max)
@@ -82,12 +86,13 @@ def online_attention(q, k, v, *, scale=None, causal_offset=None, block_n: int = 
     return _finish(acc, running_max, running_sum)
 
 
-def direct_attention(q, k, v, *, scale=None, causal_offset=None):
+def direct_attention(q, k, v, *, scale=None, causal_offset=None, window: Window | None = None):
     """softmax(Q K^T * scale) V in float64, materialising the full score matrix."""
     q, k, v, scale = _prepare(q, k, v, scale)
+    window = window_of(causal_offset, window)
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     scores = np.einsum("bhqd,bhkd->bhqk", q, k) * scale  # [B, H, Sq, Sk]
-    scores = np.where(_visible(seqlen_q, np.arange(seqlen_k), causal_offset), scores, -np.inf)
+    scores = np.where(_visible(seqlen_q, np.arange(seqlen_k), window), scores, -np.inf)
     row_max = scores.max(axis=-1, initial=-np.inf)
     safe_max = np.where(np.isneginf(row_max), 0.0, row_max)
     probs = np.exp(scores - safe_max[..., None])
@@ -103,7 +108,8 @@ def _finish(acc, row_max, row_sum):
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=None,
-                    causal_offset=None, dtype=torch.float64, max_score_elements=1 << 26):
+                    causal_offset=None, window: Window | None = None, dtype=torch.float64,
+                    max_score_elements=1 << 26):
     """The direct formula in torch, on the inputs' device, computed in ``dtype``.
 
     The float64 ground truth for GPU tests and the benchmark's correctness gate,
@@ -111,6 +117,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=
     Query rows go in chunks of at most ``max_score_elements`` scores (512 MiB in float64),
     so that several test processes can share one GPU.
     """
+    window = window_of(causal_offset, window)
     group = q.shape[1] // k.shape[1]
     q, k, v = (t.to(dtype) for t in (q, k, v))
     k = k.repeat_interleave(group, dim=1)
@@ -124,10 +131,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=
     for start in range(0, seqlen_q, rows_per_chunk):
         q_chunk = q[:, :, start:start + rows_per_chunk]
         scores = (q_chunk @ k.transpose(-1, -2)) * scale  # [B, H, chunk, Sk]
-        if causal_offset is not None:
-            rows = torch.arange(start, start + q_chunk.shape[2], device=q.device)[:, None]
-            cols = torch.arange(seqlen_k, device=q.device)[None, :]
-            scores = scores.masked_fill(cols > rows + causal_offset, float("-inf"))
+        if window is not None:
+            rows = torch.arange(start, start + q_chunk.shape[2], device=q.device)
+            seen = window.visible(rows, torch.arange(seqlen_k, device=q.device))
+            scores = scores.masked_fill(~seen, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
         outs.append(probs @ v)

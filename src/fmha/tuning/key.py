@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 
-from .. import __version__ as FMHA_VERSION
+from .._version import __version__ as FMHA_VERSION
 
 
 def length_bucket(length: int) -> int:

@@ -1,10 +1,11 @@
-"""Which tile config a call uses: the on-disk cache, then the shipped defaults, then a heuristic.
+"""What a call runs: the on-disk cache, then the shipped defaults, then a heuristic.
 
 The forward (``fwd`` keys) and the backward (``bwd`` keys) are looked up the same way, each
-with its own configs. The answer is memoised per (kernel, device, dtype, head dim, causal, GQA
-ratio, length buckets), so a call pays one dict lookup. Nothing is searched implicitly, unless
-``FMHA_AUTOTUNE=1``: then a key with no cached or shipped config is searched once, on inputs of
-the call's shape, and stored.
+with its own configs. A forward key's answer is a kernel choice: a tile config of the portable
+kernel (``ForwardConfig``) or a schedule of the Hopper kernel (``HopperSchedule``); Hopper
+schedules ship as rules per GPU architecture (:mod:`fmha.tuning.schedules`), the portable
+kernel's configs per GPU and key. Answers are memoised per key, so a call pays one dict lookup.
+Nothing is searched implicitly unless ``FMHA_AUTOTUNE=1`` (:mod:`fmha.tuning.autotune`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ import functools
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from ..config import BackwardConfig, ForwardConfig, heuristic_backward_config, heuristic_forward_config
+from ..backends.gluon_sm90.schedule import HopperSchedule
+from ..backends.triton.config import BackwardConfig, ForwardConfig, heuristic_backward_config, heuristic_forward_config
+from ..params import AttentionParams
+from ..runtime import compute_capability, multiprocessors
 from . import store
+from .autotune import tune_and_store
 from .key import ShapeKey, device_key, gpu_name, length_bucket
+from .schedules import shipped_schedule
 from .space import SPACES, Problem
 
 # One file for every kernel: entries are keyed by ShapeKey text, which starts with the kernel.
@@ -29,54 +36,84 @@ _memo: dict[tuple, tuple[ForwardConfig, str]] = {}
 _cache_entries: dict | None = None
 
 
+class Choice(NamedTuple):
+    """A forward kernel choice and where it came from (``cache``, ``shipped``, ``autotuned``, ...)."""
+
+    backend: str
+    config: ForwardConfig | HopperSchedule
+    source: str
+
+
 # Tuned tiles assume the grid fills the GPU. When 128-row query tiles would leave
 # multiprocessors idle, narrow heads run 64-row tiles that walk 128 keys at a time instead:
 # (1, 16, 1024, 64) on the H100, 267 -> 309 TFLOP/s (docs/perf.md, "Small shapes").
 UNDERFILLED_GRID_CONFIG = ForwardConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
 
 
-def forward_config(q: torch.Tensor, k: torch.Tensor, causal: bool) -> ForwardConfig:
-    """The forward's config for this call (hot path: one tuple and one dict lookup when memoised)."""
-    config = _config("fwd", q, k, causal)
-    if config.block_m >= 128 and q.shape[3] <= 64 and q.element_size() == 2 and q.is_cuda:
-        tiles = q.shape[0] * q.shape[1] * -(-q.shape[2] // config.block_m)
-        if tiles < _multiprocessors(q.device.index):
-            return UNDERFILLED_GRID_CONFIG
-    return config
+def forward_key(params: AttentionParams, kernel: str = "fwd") -> ShapeKey:
+    return ShapeKey.of(kernel, params.dtype, params.head_dim, params.causal, params.q_heads, params.kv_heads,
+                       params.seqlen_q, params.seqlen_k)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index if device_index is not None else 0).multi_processor_count
+def hopper_schedule(params: AttentionParams) -> tuple[HopperSchedule | None, str]:
+    """The Hopper schedule for this call (None: the portable kernel is the tuned choice), and why."""
+    cached = _from_cache(params.device, forward_key(params))
+    if isinstance(cached, HopperSchedule):
+        return cached, "cache"
+    if isinstance(cached, ForwardConfig):
+        return None, "the cache holds a portable config for this key (fmha tune)"
+    shipped = _shipped_entries(gpu_name(params.device)).get(forward_key(params))
+    if isinstance(shipped, HopperSchedule):
+        return shipped, "shipped"
+    major, minor = compute_capability(params.device)
+    schedule, rule = shipped_schedule(params, f"sm_{major}{minor}", multiprocessors(params.device))
+    return schedule, rule
 
 
-def backward_config(q: torch.Tensor, k: torch.Tensor, causal: bool) -> BackwardConfig:
-    """The backward's config for this call, looked up like :func:`forward_config` under ``bwd`` keys."""
-    return _config("bwd", q, k, causal)
+def portable_config(params: AttentionParams, autotune=None) -> tuple[ForwardConfig, str]:
+    """The portable forward's config for this call, and its source; narrowed when the grid would not fill the GPU."""
+    config, source = _config("fwd", params, autotune)
+    if (config.block_m >= 128 and params.head_dim <= 64 and params.dtype != torch.float32
+            and params.device.type == "cuda"):
+        tiles = params.batch * params.q_heads * -(-params.seqlen_q // config.block_m)
+        if tiles < multiprocessors(params.device):
+            return UNDERFILLED_GRID_CONFIG, source + ", narrowed for a grid under one wave"
+    return config, source
 
 
-def _config(kernel: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> ForwardConfig:
-    memo_key = (kernel, q.device.index, q.dtype, q.shape[3], causal, q.shape[1] // k.shape[1],
-                length_bucket(q.shape[2]), length_bucket(k.shape[2]))
+def backward_config(params: AttentionParams) -> tuple[BackwardConfig, str]:
+    """The backward's config for this call, looked up like the forward's under ``bwd`` keys."""
+    return _config("bwd", params, None)
+
+
+def _config(kernel: str, params: AttentionParams, autotune) -> tuple[ForwardConfig, str]:
+    memo_key = (kernel, params.device, params.dtype, params.head_dim, params.causal, params.group,
+                length_bucket(params.seqlen_q), length_bucket(params.seqlen_k))
     found = _memo.get(memo_key)
     if found is None:
-        found = _memo[memo_key] = _resolve(kernel, q.device, q.dtype, q.shape[3], causal, q.shape[1], k.shape[1],
-                                           q.shape[2], k.shape[2], q.shape[0])
-    return found[0]
+        found = _memo[memo_key] = _resolve(kernel, params, autotune)
+    return found
 
 
 def explain_forward_config(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k,
                            autotune: bool = False) -> tuple[ForwardConfig, str]:
-    """``(config, source)`` with source ``cache``, ``shipped``, ``autotuned`` or ``heuristic``."""
-    return _resolve("fwd", torch.device(device), dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k,
-                    batch=1, autotune=autotune)
+    """``(config, source)`` of the portable forward with source ``cache``, ``shipped``, ``autotuned`` or ``heuristic``."""
+    return _resolve("fwd", _params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k),
+                    autotune)
 
 
 def explain_backward_config(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k,
                             autotune: bool = False) -> tuple[BackwardConfig, str]:
     """``(config, source)`` for the backward, as :func:`explain_forward_config`."""
-    return _resolve("bwd", torch.device(device), dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k,
-                    batch=1, autotune=autotune)
+    return _resolve("bwd", _params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k),
+                    autotune)
+
+
+def _params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k, batch=1) -> AttentionParams:
+    from ..params import AttentionOptions
+
+    options = AttentionOptions(scale=head_dim ** -0.5, window_right=0 if causal else None)
+    return AttentionParams(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, torch.device(device), options)
 
 
 def heuristic_config(kernel: str, head_dim: int, dtype: torch.dtype, seqlen_q: int) -> ForwardConfig:
@@ -86,25 +123,21 @@ def heuristic_config(kernel: str, head_dim: int, dtype: torch.dtype, seqlen_q: i
     return heuristic_forward_config(head_dim, dtype, seqlen_q)
 
 
-def _resolve(kernel, device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k, batch,
-             autotune: bool | None = None) -> tuple[ForwardConfig, str]:
-    shape = ShapeKey.of(kernel, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k)
-    config = _from_cache(device, shape)
-    if config is not None:
+def _resolve(kernel: str, params: AttentionParams, autotune=None) -> tuple[ForwardConfig, str]:
+    shape = forward_key(params, kernel)
+    config = _from_cache(params.device, shape)
+    if isinstance(config, ForwardConfig):
         return config, "cache"
-    config = shipped_config(gpu_name(device), shape)
+    config = shipped_config(gpu_name(params.device), shape)
     if config is not None:
         return config, "shipped"
     if autotune is None:
         autotune = os.environ.get("FMHA_AUTOTUNE") == "1"
     if autotune:
-        from .search import tune_and_store
-
-        config = tune_and_store(kernel, device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k,
-                                batch)
+        config = tune_and_store(kernel, params)
         if config is not None:
             return config, "autotuned"
-    return heuristic_config(kernel, head_dim, dtype, seqlen_q), "heuristic"
+    return heuristic_config(kernel, params.head_dim, params.dtype, params.seqlen_q), "heuristic"
 
 
 def _config_class(kernel: str) -> type[ForwardConfig] | None:
@@ -112,12 +145,16 @@ def _config_class(kernel: str) -> type[ForwardConfig] | None:
     return space.config_class if space else None
 
 
-def _from_cache(device, shape: ShapeKey) -> ForwardConfig | None:
+def _from_cache(device, shape: ShapeKey) -> ForwardConfig | HopperSchedule | None:
     global _cache_entries
     if _cache_entries is None:
         _cache_entries = store.load()
     record = _cache_entries.get(device_key(device), {}).get(shape.text())
-    return store.record_to_config(record, _config_class(shape.kernel)) if record else None
+    if not record:
+        return None
+    if record.get("kernel") == HopperSchedule.backend:
+        return store.record_to_schedule(record)
+    return store.record_to_config(record, _config_class(shape.kernel))
 
 
 def forget() -> None:
@@ -141,7 +178,10 @@ def _shipped_entries(gpu: str) -> dict[ShapeKey, ForwardConfig]:
     for text, record in entries.items():
         shape = ShapeKey.parse(text)
         config_class = _config_class(shape.kernel)
-        config = store.record_to_config(record, config_class) if config_class else None
+        if record.get("kernel") == HopperSchedule.backend:
+            config = store.record_to_schedule(record)
+        else:
+            config = store.record_to_config(record, config_class) if config_class else None
         if config is not None:
             parsed[shape] = config
     return parsed
@@ -154,7 +194,7 @@ def shipped_config(gpu: str, shape: ShapeKey) -> ForwardConfig | None:
     query and key lengths, then in GQA ratio. A neighbour whose tiles are longer than this
     key's lengths allow (the forward's BLOCK_M beyond the query, say) is not used.
     """
-    entries = _shipped_entries(gpu)
+    entries = {key: config for key, config in _shipped_entries(gpu).items() if isinstance(config, ForwardConfig)}
     if shape in entries:
         return entries[shape]
     same_kind = [key for key in entries if (key.kernel, key.dtype, key.head_dim, key.causal)

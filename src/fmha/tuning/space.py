@@ -14,7 +14,7 @@ from typing import Callable
 
 import triton
 
-from ..config import BackwardConfig, ForwardConfig, padded_head_dim
+from ..backends.triton.config import BackwardConfig, ForwardConfig, padded_head_dim
 
 BLOCK_M_CHOICES = (16, 32, 64, 128, 256)
 BLOCK_N_CHOICES = (32, 64, 128)

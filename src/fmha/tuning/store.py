@@ -12,8 +12,9 @@ import contextlib
 import warnings
 from pathlib import Path
 
+from ..backends.gluon_sm90.schedule import HopperSchedule
+from ..backends.triton.config import ForwardConfig
 from ..cache import cache_dir, read_json, write_json_atomic
-from ..config import ForwardConfig
 
 FORMAT = "fmha-tuning/1"
 CACHE_FILE = "tuning.json"
@@ -42,6 +43,18 @@ def record_to_config(record: dict, config_class: type[ForwardConfig] = ForwardCo
         return config_class(int(record["block_m"]), int(record["block_n"]), int(record["num_warps"]),
                             int(record["num_stages"]))
     except (KeyError, TypeError, ValueError):
+        return None
+
+
+def schedule_to_record(schedule, **measured) -> dict:
+    return {"kernel": schedule.backend, **schedule.to_record(), **measured}
+
+
+def record_to_schedule(record: dict):
+    """The Hopper schedule of a ``"kernel": "gluon_sm90"`` record; ``None`` when it is invalid."""
+    try:
+        return HopperSchedule.from_record(record)
+    except (TypeError, ValueError):
         return None
 
 

@@ -1,0 +1,175 @@
+"""Public entry points. The docstring of this module is fmha's feature list.
+
+Supported
+---------
+* ``attention(q, k, v, *, causal=False, scale=None, return_lse=False, deterministic=False, config=None)``:
+  q is (B, Hq, Sq, D), k and v are (B, Hkv, Sk, D), Hq % Hkv == 0 (MHA, GQA, MQA).
+* Any strides, including ``x.transpose(1, 2)`` of a BSHD tensor and stride 0 from
+  ``expand``; nothing is copied. The output has q's memory layout when q is dense.
+* ``causal=True`` is bottom-right aligned as in FlashAttention: query i sees keys
+  j <= i + Sk - Sq. A row that sees no key returns zeros and LSE = -inf.
+* ``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
+  (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs).
+* ``naive_attention``: the materialising baseline, same contract as ``attention``.
+* ``explain(q, k, v, **kwargs)``: which backend, schedule and config a call would run, where the
+  config comes from, and why the other backends refused.
+* dtypes float16 and bfloat16; float32 as a slow exact path.
+* Head dims 1 to 256, including non-powers of two (40, 80, 96, 192...).
+* Any Sq, Sk >= 1; empty batch, heads or sequences return empty (or zero) results.
+* CUDA tensors, and CPU tensors when ``TRITON_INTERPRET=1`` was set before import
+  (the same Triton kernels, run by Triton's interpreter).
+* ``return_lse``: natural-log log-sum-exp, float32, shape (B, Hq, Sq); not differentiable.
+* Backward: ``attention`` and ``scaled_dot_product_attention`` are differentiable in q, k
+  and v (every case above). Gradients are deterministic: no atomics are used.
+* ``torch.compile(fullgraph=True)``: the ops are ``torch.library`` custom ops (``fmha::forward``,
+  ``fmha::backward``) with fake implementations.
+* Kernels (``fmha.dispatch``): on Hopper (sm_90), fp16/bf16 forwards with D = 64 or 128 run a
+  warp-specialised Gluon kernel where the shipped tuning data (``fmha.tuning.schedules``) or the
+  ``fmha tune`` cache picks one of its schedules; every other call, and every other GPU, runs the
+  portable Triton kernel with tuned tiles. Both give the same results within the error rule.
+  ``config=`` takes a ``ForwardConfig`` (the portable kernel's tiles) or a ``HopperSchedule``.
+
+Not yet supported (raise ``NotImplementedError``)
+-------------------------------------------------
+* Gradients of ``naive_attention`` (a forward-only baseline).
+* ``window``, ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p > 0`` (and ``generator``):
+  accepted by name, refused until their kernels land.
+* SDPA ``attn_mask``, a value head dim different from the query's, and batch dims that differ
+  between query and key/value (broadcasting).
+* Varlen, KV-cache decode, FP8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch, ops
+from .params import attention_params, check_flag
+
+_prepared: dict = {}  # a call signature -> (validated params, prepared forward)
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
+              dropout_p=0.0, generator=None, return_lse=False, deterministic=False, config=None):
+    """Exact fused attention softmax(q k^T * scale) v.
+
+    Args:
+        q: (B, Hq, Sq, D) float16, bfloat16 or float32, any strides.
+        k, v: (B, Hkv, Sk, D), same dtype and device, Hq % Hkv == 0.
+        causal: bottom-right aligned causal mask (query i sees keys j <= i + Sk - Sq).
+        scale: score scale, default D**-0.5.
+        window, softcap, alibi_slopes, sinks, dropout_p, generator: the design's extensions;
+            they raise ``NotImplementedError`` until their kernels land.
+        return_lse: also return the natural-log LSE, float32 (B, Hq, Sq); not differentiable.
+        deterministic: require bitwise-reproducible gradients. The backward never uses atomics,
+            so gradients are reproducible either way.
+        config: an explicit kernel choice, a ``fmha.ForwardConfig`` (the portable kernel's tiles)
+            or a ``fmha.HopperSchedule`` (the Gluon kernel on sm_90); default: the tuned choice
+            for this GPU and shape. A config whose kernel cannot run the call raises ValueError.
+
+    Returns:
+        out (B, Hq, Sq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
+    """
+    if return_lse.__class__ is not bool:
+        check_flag("fmha.attention", "return_lse", return_lse)
+    if torch.compiler.is_compiling():  # traced: the custom op, whose fake implementation dynamo reads
+        params = attention_params("fmha.attention", q, k, v, causal=causal, scale=scale, window=window,
+                                  softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                                  generator=generator, deterministic=deterministic, config=config)
+        out, lse = ops.forward_op(q, k, v, *params.options.op_args())
+        return (out, lse) if return_lse else out
+    # A repeated call signature skips validation and dispatch: everything they read is in the key.
+    try:
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, causal, causal.__class__, scale, scale.__class__, deterministic,
+               deterministic.__class__, config, window, softcap, dropout_p, dropout_p.__class__,
+               alibi_slopes is None and sinks is None and generator is None,
+               (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
+        found = _prepared.get(key)
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable arguments: the checks say why
+        key = found = None
+    if found is None:
+        params = attention_params("fmha.attention", q, k, v, causal=causal, scale=scale, window=window,
+                                  softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                                  generator=generator, deterministic=deterministic, config=config)
+        found = (params, dispatch.prepared_forward(params, q, k, v))
+        if key is not None:
+            _prepared[key] = found
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = ops.forward_op(q, k, v, *found[0].options.op_args())
+    else:
+        out, lse = found[1](q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def explain(q, k, v, **kwargs) -> dispatch.Explanation:
+    """Which backend, schedule and config ``fmha.attention(q, k, v, **kwargs)`` would run, and why.
+
+    ``print(fmha.explain(q, k, v, causal=True))`` lists the chosen kernel, where its config comes
+    from (the ``fmha tune`` cache, the shipped defaults, a heuristic) and each backend that
+    refused, with its reason. Nothing is launched (a Hopper kernel may be compiled).
+    """
+    kwargs.pop("return_lse", None)
+    params = attention_params("fmha.explain", q, k, v, **kwargs)
+    explanation = dispatch.prepared_forward(params, q, k, v).explanation
+    backward, source = dispatch.BACKWARD_BACKEND.backward_config(params) if not params.empty else (None, "")
+    if backward is not None:
+        explanation.backward = f"triton {backward} (from {source})"
+    return explanation
+
+
+def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+    """Step 2 of the ladder: the same contract as :func:`attention`, with S and P materialised.
+
+    Allocates B * Hq * Sq * Sk * (4 + element size) bytes for the score and probability matrices.
+    """
+    fn = "fmha.naive_attention"
+    check_flag(fn, "return_lse", return_lse)
+    params = attention_params(fn, q, k, v, causal=causal, scale=scale, backend="naive")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise NotImplementedError(f"{fn}: the naive baseline is forward only; use fmha.attention for gradients "
+                                  "or call it under torch.no_grad()")
+    out, lse = dispatch.prepared_forward(params, q, k, v)(q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Same semantics: inputs (..., H, L, E) or (N, L, E), ``is_causal`` aligned top-left
+    (query i sees keys 0..i), ``scale`` default E**-0.5, ``enable_gqa`` to let query
+    heads be a multiple of key/value heads. Unsupported arguments raise NotImplementedError.
+    """
+    fn = "fmha.scaled_dot_product_attention"
+    names = ("query", "key", "value")
+    for name, tensor in zip(names, (query, key, value)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.ndim < 3:
+            raise ValueError(f"{fn}: {name} must have at least 3 dims (N, L, E), got shape {tuple(tensor.shape)}")
+    if attn_mask is not None:
+        raise NotImplementedError(f"{fn}: attn_mask is not supported yet; use is_causal for causal masking")
+    is_causal = check_flag(fn, "is_causal", is_causal)
+    enable_gqa = check_flag(fn, "enable_gqa", enable_gqa)
+    if value.shape[-1] != query.shape[-1] and key.shape[-1] == query.shape[-1]:
+        raise NotImplementedError(f"{fn}: a value head dim ({value.shape[-1]}) different from the query's "
+                                  f"({query.shape[-1]}) is not supported yet")
+    if not (query.ndim == key.ndim == value.ndim):
+        raise ValueError(f"{fn}: query, key and value must have the same number of dims, "
+                         f"got {query.ndim}, {key.ndim} and {value.ndim}")
+    if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
+        raise NotImplementedError(f"{fn}: broadcasting batch dims is not supported yet; query has "
+                                  f"{tuple(query.shape[:-3])}, key {tuple(key.shape[:-3])}, "
+                                  f"value {tuple(value.shape[:-3])}")
+    if query.ndim == 3:
+        q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    else:  # fold extra leading dims into the batch (a view for contiguous inputs)
+        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+    params = attention_params(fn, q, k, v, causal=is_causal, scale=scale, dropout_p=dropout_p, top_left=True,
+                              names=names)
+    if q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(f"{fn}: query has {q.shape[1]} heads and key {k.shape[1]}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    out, _ = ops.forward(q, k, v, params)
+    return out.reshape(query.shape) if query.ndim != 4 else out

@@ -1,0 +1,75 @@
+"""The Hopper backend: the warp-specialised Gluon forward on sm_90 (H100, H200)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...params import AttentionParams
+from ...runtime import INTERPRETED, compute_capability
+from ...tuning import lookup
+from .schedule import HopperSchedule
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_unavailable() -> str | None:
+    """Why the Gluon kernel cannot be built with this triton (None: it can)."""
+    try:
+        from . import launch  # noqa: F401
+    except ImportError as error:
+        import triton
+
+        return f"Gluon's Hopper API is not importable with triton {triton.__version__} ({error})"
+    return None
+
+
+def _tma_strides_ok(tensor: torch.Tensor) -> bool:
+    """The bulk copy engine needs a unit last stride and 16-byte multiples for the others (and the base)."""
+    from ..triton.launch import tma_compatible
+
+    return tma_compatible(tensor)
+
+
+class HopperBackend:
+    name = "gluon_sm90"
+    description = "warp-specialised Gluon forward for sm_90 (TMA, wgmma)"
+    config_class = HopperSchedule
+
+    def refusal(self, params: AttentionParams, q, k, v) -> str | None:
+        options = params.options
+        if options.backend and options.backend != self.name:
+            return f"config= is a {options.backend} config"
+        if INTERPRETED:
+            return "Gluon kernels run compiled only (TRITON_INTERPRET=1 is set)"
+        if params.device.type != "cuda":
+            return f"needs a CUDA device, got {params.device}"
+        major, minor = compute_capability(params.device)
+        if major != 9:
+            return f"needs sm_90 (Hopper); this GPU is sm_{major}{minor}"
+        if params.dtype not in (torch.float16, torch.bfloat16):
+            return f"needs float16 or bfloat16, got {params.dtype}"
+        if params.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head dim {params.head_dim} is not built (64 or 128)"
+        if options.scale <= 0:
+            return "needs a positive scale (it is folded into exp2 after the row max)"
+        if options.window_left is not None:
+            return "a left window bound is not built into the Hopper kernel yet"
+        if options.layout != "dense":
+            return f"layout {options.layout!r} is not built yet"
+        for name, tensor in zip("qkv", (q, k, v)):
+            if not _tma_strides_ok(tensor):
+                return f"{name}'s strides or base address cannot be described to TMA (16-byte multiples, unit last stride)"
+        return gluon_unavailable()
+
+    def forward_config(self, params: AttentionParams) -> tuple[HopperSchedule | None, str]:
+        if params.options.backend == self.name:
+            return HopperSchedule.from_ints(params.options.config), "explicit config="
+        return lookup.hopper_schedule(params)
+
+    def prepare_forward(self, params: AttentionParams, schedule: HopperSchedule):
+        from .launch import HopperForward
+
+        return HopperForward(params, schedule)

@@ -1,0 +1,430 @@
+"""The fused forward for Hopper (sm_90), written in Gluon, Triton's explicit-layout dialect.
+
+Same math as :mod:`fmha.backends.triton.forward` (online softmax in exp2 with the scale folded in,
+causal blocks above the diagonal skipped), scheduled the way cuDNN and FlashAttention-3 do it,
+which Triton's automatic pipeliner does not reach on this chip:
+
+* a CTA walks query tiles of BLOCK_M = 64 x CONSUMERS rows of one (batch, head) (persistent: as
+  many CTAs as fit on the multiprocessors, or one per tile) and runs CONSUMERS + 1 warp
+  partitions: one to three consumer warpgroups of 64 rows each and one load warp;
+* the load warp streams K and V blocks through a ring of STAGES shared-memory slots with
+  bulk tensor copies (TMA); each slot has a "ready" barrier (the copy landed) and a "free"
+  barrier (both consumers are done with it);
+* each consumer keeps its Q rows in shared memory and its accumulator in registers and
+  overlaps its own work: the Q·Kᵀ of block j and the P·V of block j-1 are in flight on the
+  tensor cores while it waits, and the softmax of block j runs while P·V of block j-1 finishes;
+* the consumers run independently, so one's softmax overlaps another's matrix products;
+* while the consumers finish a tile (last P·V, normalisation, output store), the load warp
+  already fetches the next tile's Q, K and V: the per-tile start-up is hidden. With Q_BUFFERS = 2
+  each consumer has a second Q buffer, so its next Q is loaded while it still works on the
+  current tile rather than after it;
+* persistent causal programs take their tiles in pairs, the longest and the shortest query
+  block of a head, so that every program gets the same number of key blocks;
+* CTAS_PER_SM > 1 lowers the registers per thread so that several CTAs share a multiprocessor:
+  with one consumer each, one CTA's tile start and end hide behind the others' work, which pays
+  on short tiles (short causal sequences) and on grids too small to fill the GPU.
+
+EMULATED_EXP2 = k computes one exponential in every k on the FMA units (a cubic polynomial,
+relative error 1e-4, far below the 16-bit rounding of P) instead of the MUFU unit, whose 16
+results per clock per multiprocessor otherwise pace the softmax at head dim 64.
+
+Rows past the end of a sequence load as zeros and are never stored (the descriptors carry the
+bounds); keys past the end and outside the key window (:mod:`fmha.backends.gluon_sm90.masking`,
+causal today: a right bound) are masked to -inf.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .masking import key_blocks, visible
+
+LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
+CONSUMER_WARPS = gl.constexpr(4)
+
+
+@gluon.constexpr_function
+def register_budget(consumers: int, ctas_per_sm: int) -> tuple[int, int, int]:
+    """(registers per thread at launch, per consumer thread, per load-warp thread) for CTAS_PER_SM
+    CTAs of ``consumers`` warpgroups and one load warp (padded to a warpgroup) on a multiprocessor;
+    callable from the host too.
+
+    The load warp gives its registers to the consumers (setmaxnreg); the launch count fixes how
+    many CTAs fit side by side."""
+    threads = 128 * (consumers + 1)
+    launch = 65536 // (ctas_per_sm * threads) // 8 * 8  # 64k registers per multiprocessor
+    # 24 is setmaxnreg's minimum; the two-consumer build keeps the 40 it was measured with.
+    loader = 40 if consumers == 2 and ctas_per_sm == 1 else 24
+    consumer = min(240, (launch * threads - 128 * loader) // (128 * consumers) // 8 * 8)
+    return launch, consumer, loader
+
+
+@gluon.constexpr_function
+def _worker_registers(consumers, ctas_per_sm):
+    """worker_num_regs: consumers 1.. (consumer 0 is the default partition), then the load warp."""
+    _, consumer, loader = register_budget(consumers, ctas_per_sm)
+    return [consumer] * (consumers - 1) + [loader]
+
+
+@gluon.constexpr_function
+def _accumulator_layout(columns):
+    """wgmma accumulator of a consumer: 4 warps x 16 rows, one instruction spans all columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                     instr_shape=[16, columns, 16])
+
+
+@gluon.constexpr_function
+def _operand_layout(columns):
+    """P as the register A operand of the P·V wgmma whose accumulator has ``columns`` columns."""
+    return gl.DotOperandLayout(operand_index=0, parent=_accumulator_layout(columns), k_width=2)
+
+
+@gluon.constexpr_function
+def _exp2_asm(every):
+    """PTX for ``every`` exponentials: the first by polynomial on the FMA units, the rest by MUFU.
+
+    2^x = 2^n * 2^f with n = round(x) (adding 1.5 * 2^23 rounds and leaves n in the low bits),
+    f = x - n in [-0.5, 0.5], 2^f ~ 1 + f (c1 + f (c2 + f c3)), and 2^n added to the exponent
+    bits. x is clamped to -127 first, where f = 0 and the bits come out as exactly 0.0
+    (exp2(-inf) = 0 for masked keys)."""
+    polynomial = (
+        "max.ftz.f32 %ex_in, ${arg}, 0fC2FE0000;\n"
+        "add.rn.f32 %ex_shift, %ex_in, 0f4B400000;\n"
+        "sub.rn.f32 %ex_int, %ex_shift, 0f4B400000;\n"
+        "sub.rn.f32 %ex_frac, %ex_in, %ex_int;\n"
+        "fma.rn.f32 %ex_poly, %ex_frac, 0f3D6150AE, 0f3E7805FF;\n"
+        "fma.rn.f32 %ex_poly, %ex_poly, %ex_frac, 0f3F317AFD;\n"
+        "fma.rn.f32 %ex_poly, %ex_poly, %ex_frac, 0f3F800000;\n"
+        "mov.b32 %ex_bits, %ex_shift;\n"
+        "shl.b32 %ex_bits, %ex_bits, 23;\n"
+        "mov.b32 %ex_pbits, %ex_poly;\n"
+        "add.s32 $0, %ex_pbits, %ex_bits;\n"
+    ).format(arg=every)
+    mufu = "".join(f"ex2.approx.ftz.f32 ${i}, ${every + i};\n" for i in range(1, every))
+    return ("{\n.reg .f32 %ex_in, %ex_shift, %ex_int, %ex_frac, %ex_poly;\n.reg .b32 %ex_bits, %ex_pbits;\n"
+            + polynomial + mufu + "}")
+
+
+@gluon.constexpr_function
+def _exp2_constraints(every):
+    return ",".join(["=r"] * every + ["r"] * every)
+
+
+@gluon.jit
+def _exp2(x, EMULATED_EXP2: gl.constexpr):
+    """exp2, with one element in every EMULATED_EXP2 computed on the FMA units (0: none)."""
+    if EMULATED_EXP2 == 0:
+        result = gl.exp2(x)
+    else:
+        result = gl.inline_asm_elementwise(_exp2_asm(EMULATED_EXP2), _exp2_constraints(EMULATED_EXP2), [x],
+                                           dtype=gl.float32, is_pure=True, pack=EMULATED_EXP2)
+    return result
+
+
+@gluon.jit
+def _paired(num_tiles, HAS_RIGHT: gl.constexpr):
+    """Whether this launch walks causal tiles in pairs: persistent (fewer programs than tiles) and causal."""
+    if HAS_RIGHT:
+        paired = gl.num_programs(0) < num_tiles
+    else:
+        paired = False
+    return paired
+
+
+@gluon.jit
+def _program_steps(num_tiles, HAS_RIGHT: gl.constexpr):
+    """How many tiles this program walks."""
+    programs = gl.num_programs(0)
+    program = gl.program_id(0)
+    steps = gl.cdiv(num_tiles - program, programs)
+    if _paired(num_tiles, HAS_RIGHT):
+        # Pairs program, program + P, ... of cdiv(num_tiles, 2); the last pair of an odd count is one tile.
+        num_pairs = (num_tiles + 1) // 2
+        slots = gl.cdiv(num_pairs - program, programs)
+        last_slot = program + (slots - 1) * programs
+        steps = 2 * slots - ((last_slot == num_pairs - 1) & (num_tiles % 2 == 1)).to(gl.int32)
+    return steps
+
+
+@gluon.jit
+def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """The program's step-th tile. Tile t covers query block t % num_m_blocks of (batch, head)
+    t // num_m_blocks: the query blocks of one head run side by side and share K/V in L2.
+
+    Causal tiles differ in length (the last rows see the most keys). With one program per tile
+    they run longest first within a head, so the short tiles fill the tail of the wave. A
+    persistent program takes them in pairs, the longest and the shortest query block left in a
+    head (m and M - 1 - m), so that every pair, and every program, has the same number of key
+    blocks: program p walks pairs p, p + P, p + 2P, ... of the cdiv(T, 2) pairs, the last one too
+    (dealing the remainder out as single tiles left some programs twice the work of others)."""
+    programs = gl.num_programs(0)
+    tile = gl.program_id(0) + step * programs
+    m_block = tile % num_m_blocks
+    if HAS_RIGHT:
+        if _paired(num_tiles, HAS_RIGHT):
+            tile = 2 * (gl.program_id(0) + (step // 2) * programs) + step % 2
+            local = tile % num_m_blocks
+            if local % 2 == 0:
+                m_block = num_m_blocks - 1 - local // 2
+            else:
+                m_block = local // 2
+        else:
+            m_block = num_m_blocks - 1 - m_block
+    batch_head = tile // num_m_blocks
+    head = batch_head % num_q_heads
+    first_row = m_block * BLOCK_M
+    # Without a left bound the first block is 0 (HAS_LEFT is not built into this kernel yet).
+    _, num_unmasked_blocks, _, num_kv_blocks = key_blocks(first_row, BLOCK_M, seqlen_k, 0, hi, BLOCK_N, False, HAS_RIGHT)
+    return batch_head // num_q_heads, head, head // group_size, batch_head, first_row, num_kv_blocks, num_unmasked_blocks
+
+
+@gluon.jit
+def _load_partition(
+    args,  # unpacked below
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMERS: gl.constexpr,
+):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi) = args
+    consumer_rows: gl.constexpr = q_desc.block_type.shape[2]
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+    ring_position = 0  # K/V blocks loaded so far, over all tiles: slot and phase of the next one
+    tile_count = 0
+    for step in range(_program_steps(num_tiles, HAS_RIGHT)):
+        batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
+            step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi,
+            CONSUMERS * consumer_rows, BLOCK_N, HAS_RIGHT)
+        q_phase = (tile_count // Q_BUFFERS) & 1
+        for consumer in gl.static_range(CONSUMERS):
+            q_slot = consumer * Q_BUFFERS + tile_count % Q_BUFFERS
+            # A free barrier completes once per use; the first wait finds it free.
+            mbarrier.wait(q_free.index(q_slot), q_phase ^ 1)
+            mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, head, first_row + consumer * consumer_rows, 0],
+                                            q_ready.index(q_slot), q_smem.index(q_slot))
+        for block in range(num_kv_blocks):
+            position = ring_position + block
+            slot = position % STAGES
+            free_phase = ((position // STAGES) & 1) ^ 1
+            mbarrier.wait(k_free.index(slot), free_phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, block * BLOCK_N, 0],
+                                            k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_free.index(slot), free_phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, block * BLOCK_N, 0],
+                                            v_ready.index(slot), v_smem.index(slot))
+        ring_position += num_kv_blocks
+        tile_count += 1
+
+
+@gluon.jit
+def _softmax_block(
+    scores,  # [ROWS, BLOCK_N] f32, Q·Kᵀ unscaled
+    row_max, row_sum,  # [ROWS] f32, log2 units
+    rows, keys0, key_start, seqlen_k, hi, qk_scale,
+    MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+):
+    """Probabilities of the key block starting at key_start (its keys are key_start + keys0), the
+    accumulator's rescale factor, the new max and sum."""
+    if MASKED:
+        # Block-relative keys: shift the window and the end of K by the block's first key.
+        seen = visible(rows[:, None], keys0[None, :], seqlen_k - key_start, 0, hi - key_start, False, HAS_RIGHT)
+        scores = gl.where(seen, scores, float("-inf"))
+    new_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale)
+    # A row that has seen no key keeps max = -inf; subtracting 0 gives exp2(-inf) = 0, not NaN.
+    new_max_safe = gl.where(new_max == float("-inf"), 0.0, new_max)
+    probs = _exp2(scores * qk_scale - new_max_safe[:, None], EMULATED_EXP2)
+    rescale = gl.exp2(row_max - new_max_safe)
+    row_sum = row_sum * rescale + gl.sum(probs, 1)
+    return probs, rescale, new_max, row_sum
+
+
+@gluon.jit
+def _softmax_first_block(scores, rows, keys0, seqlen_k, hi, qk_scale, masked,
+                         HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr):
+    """The first block of a tile: nothing to rescale yet."""
+    row_max = gl.full([scores.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
+    row_sum = gl.zeros([scores.shape[0]], gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
+    if masked:
+        probs, rescale, row_max, row_sum = _softmax_block(
+            scores, row_max, row_sum, rows, keys0, 0, seqlen_k, hi, qk_scale, True, HAS_RIGHT, EMULATED_EXP2)
+    else:
+        probs, rescale, row_max, row_sum = _softmax_block(
+            scores, row_max, row_sum, rows, keys0, 0, seqlen_k, hi, qk_scale, False, HAS_RIGHT, EMULATED_EXP2)
+    return probs, row_max, row_sum
+
+
+@gluon.jit
+def _pipelined_blocks(
+    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+    rows, keys0, ring_position, block_start, block_end, seqlen_k, hi, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+):
+    """Blocks [block_start, block_end) of the tile, each issued with the previous block's P·V."""
+    ROWS: gl.constexpr = q.shape[0]
+    p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
+    o_rows: gl.constexpr = gl.SliceLayout(1, _accumulator_layout(HEAD_DIM))
+    no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=_accumulator_layout(BLOCK_N))
+    for block in range(block_start, block_end):
+        position = ring_position + block
+        slot = position % STAGES
+        prev_slot = (position - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (position // STAGES) & 1)
+        k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+        scores = warpgroup_mma(q, k, no_scores, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev_slot), ((position - 1) // STAGES) & 1)
+        v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
+        p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        # wgmma groups retire in order: this waits for the scores, not for P·V.
+        scores = warpgroup_mma_wait(1, deps=(scores,))
+        mbarrier.arrive(k_free.index(slot), count=1)
+        probs, rescale, row_max, row_sum = _softmax_block(
+            scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, hi, qk_scale,
+            MASKED, HAS_RIGHT, EMULATED_EXP2)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_free.index(prev_slot), count=1)
+        acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
+    return acc, probs, row_max, row_sum
+
+
+@gluon.jit
+def _consumer_partition(
+    shared,  # the runtime arguments every consumer gets, unpacked below
+    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+):
+    (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, hi, qk_scale) = shared
+    dtype: gl.constexpr = o_desc.dtype
+    ROWS: gl.constexpr = o_desc.block_type.shape[2]
+    s_layout: gl.constexpr = _accumulator_layout(BLOCK_N)
+    o_layout: gl.constexpr = _accumulator_layout(HEAD_DIM)
+    p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+    ring_position = 0
+    tile_count = 0
+    for step in range(_program_steps(num_tiles, HAS_RIGHT)):
+        batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
+            step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi,
+            CONSUMERS * ROWS, BLOCK_N, HAS_RIGHT)
+        row0 = first_row + CONSUMER * ROWS
+        rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
+        row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+        row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
+        mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
+        q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
+        if num_kv_blocks > 0:
+            # Block 0: scores and probabilities; its P·V is issued with block 1's Q·Kᵀ.
+            slot = ring_position % STAGES
+            mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
+            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+            scores = warpgroup_mma(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
+                                   use_acc=False, is_async=True)
+            scores = warpgroup_mma_wait(0, deps=(scores,))
+            mbarrier.arrive(k_free.index(slot), count=1)
+            probs, row_max, row_sum = _softmax_first_block(
+                scores, rows, keys0, seqlen_k, hi, qk_scale, num_unmasked_blocks == 0, HAS_RIGHT, EMULATED_EXP2)
+            # Blocks wholly visible to every row run without masks; the diagonal and the end of K with.
+            first_masked = gl.maximum(num_unmasked_blocks, 1)
+            acc, probs, row_max, row_sum = _pipelined_blocks(
+                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                rows, keys0, ring_position, 1, first_masked, seqlen_k, hi, qk_scale,
+                HEAD_DIM, BLOCK_N, STAGES, False, HAS_RIGHT, EMULATED_EXP2)
+            acc, probs, row_max, row_sum = _pipelined_blocks(
+                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                rows, keys0, ring_position, first_masked, num_kv_blocks, seqlen_k, hi, qk_scale,
+                HEAD_DIM, BLOCK_N, STAGES, True, HAS_RIGHT, EMULATED_EXP2)
+            last = ring_position + num_kv_blocks - 1
+            last_slot = last % STAGES
+            mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
+            v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
+            p = gl.convert_layout(probs.to(dtype), p_layout)
+            acc = warpgroup_mma(p, v, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_free.index(last_slot), count=1)
+        mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
+
+        # Rows that saw no key: output 0 and LSE -inf, never 0/0.
+        seen = row_sum > 0.0
+        row_sum_safe = gl.where(seen, row_sum, 1.0)
+        out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
+        lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
+        gl.store(Lse + batch_head.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        tma.store_wait(0)  # the previous tile's output has left the staging buffer
+        o_smem.index(CONSUMER).reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], o_smem.index(CONSUMER))
+        ring_position += num_kv_blocks
+        tile_count += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_forward_hopper_kernel(
+    q_desc, k_desc, v_desc, o_desc, Lse,
+    num_q_heads, group_size, seqlen_q, seqlen_k, hi, qk_scale, num_tiles,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
+):
+    """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
+    with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 1, 2 or 3, Q_BUFFERS 1 or 2;
+    CTAS_PER_SM sets the registers each partition gets (:func:`register_budget`)."""
+    num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for q_slot in gl.static_range(CONSUMERS * Q_BUFFERS):
+        mbarrier.init(q_ready.index(q_slot), count=1)
+        mbarrier.init(q_free.index(q_slot), count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(slot), count=1)
+        mbarrier.init(v_ready.index(slot), count=1)
+        mbarrier.init(k_free.index(slot), count=CONSUMERS)  # one arrival per consumer
+        mbarrier.init(v_free.index(slot), count=CONSUMERS)
+
+    shared = (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+              num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, hi, qk_scale)
+    load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+                 num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi)
+    # The registers go to the consumers (setmaxnreg): the load warp needs few.
+    if CONSUMERS == 1:
+        gl.warp_specialize(
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_RIGHT, CONSUMERS))],
+            worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
+    elif CONSUMERS == 2:
+        gl.warp_specialize(
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_RIGHT, CONSUMERS))],
+            worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
+    else:
+        gl.warp_specialize(
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_RIGHT, CONSUMERS))],
+            worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
+            worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

@@ -1,0 +1,107 @@
+"""Launcher of the Gluon Hopper forward: compiled once per static configuration, launched directly."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from ...params import AttentionParams
+from ...runtime import multiprocessors, run_compiled
+from ..triton.launch import descriptor_strides, window_bounds
+from ..triton.forward import LOG2_E
+from .forward import attention_forward_hopper_kernel, register_budget
+from .schedule import CONSUMER_ROWS, HopperSchedule
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, head_dim], element)
+
+
+class _HostDescriptor:
+    """What Triton's launcher reads from a host tensor descriptor to encode the tensor map.
+
+    Built per call without Gluon's TensorDescriptor checks: the backend's support check made them.
+    """
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.base, self.shape, self.padding = tensor, list(tensor.shape), "zero"
+        self.strides = descriptor_strides(tensor.shape, tensor.stride())
+
+
+_INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "hi")
+
+
+def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, schedule: HopperSchedule):
+    """The Gluon forward's compile source for one static configuration, and its constexpr values.
+
+    The integer arguments carry no value specialisation, so one binary serves every shape.
+    """
+    element = "bf16" if dtype == torch.bfloat16 else "fp16"
+
+    def descriptor_type(rows: int) -> str:
+        return f"tensordesc<{element}[1,1,{rows},{head_dim}],{_shared_layout(rows, head_dim, dtype)!r}>"
+
+    constants = {"HEAD_DIM": head_dim, "BLOCK_N": schedule.block_n, "STAGES": schedule.stages, "HAS_RIGHT": causal,
+                 "CONSUMERS": schedule.consumers, "EMULATED_EXP2": schedule.emulated_exp2,
+                 "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm}
+    signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
+                 "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
+                 "Lse": "*fp32", **dict.fromkeys(_INTEGER_ARGS, "i32"), "qk_scale": "fp32",
+                 "num_tiles": "i32", **dict.fromkeys(constants, "constexpr")}
+    assert list(signature) == attention_forward_hopper_kernel.arg_names
+    return GluonASTSource(attention_forward_hopper_kernel, signature, constants), tuple(constants.values())
+
+
+def hopper_compile_options(schedule: HopperSchedule) -> dict:
+    """Compile options of the Gluon forward: the launch register count lets ``ctas_per_sm`` CTAs
+    share a multiprocessor (:func:`fmha.backends.gluon_sm90.forward.register_budget`)."""
+    return {"num_warps": 4, "maxnreg": register_budget(schedule.consumers, schedule.ctas_per_sm)[0]}
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
+                            schedule: HopperSchedule):
+    """Compiled once per device and static configuration (Triton's disk cache still applies)."""
+    source, constants = hopper_forward_source(dtype, head_dim, causal, schedule)
+    with torch.cuda.device(device):
+        compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(),
+                                  options=hopper_compile_options(schedule))
+        compiled._init_handles()  # loads the module on this device
+    return compiled, constants
+
+
+class HopperForward:
+    """The Gluon forward for one call signature and schedule; calling it writes ``out`` and ``lse``."""
+
+    __slots__ = ("schedule", "compiled", "grid", "integers", "device")
+
+    def __init__(self, params: AttentionParams, schedule: HopperSchedule):
+        has_left, has_right, _, hi = window_bounds(params)
+        assert not has_left, "the Hopper forward has no left window bound yet"
+        self.schedule, self.device = schedule, params.device
+        compiled, constants = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right,
+                                                      schedule)
+        self.compiled = compiled
+        num_tiles = -(-params.seqlen_q // schedule.block_m) * params.batch * params.q_heads
+        if not schedule.persistent:
+            self.grid = num_tiles
+        elif has_right:  # programs walk pairs of tiles
+            self.grid = min((num_tiles + 1) // 2, schedule.ctas_per_sm * multiprocessors(params.device))
+        else:
+            self.grid = min(num_tiles, schedule.ctas_per_sm * multiprocessors(params.device))
+        self.integers = (params.q_heads, params.group, params.seqlen_q, params.seqlen_k, hi,
+                         params.options.scale * LOG2_E, num_tiles, *constants)
+
+    def __call__(self, q, k, v, out, lse):
+        run_compiled(self.compiled, self.grid, self.device,
+                     (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out), lse,
+                      *self.integers))
+        return self.compiled

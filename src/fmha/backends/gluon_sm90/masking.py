@@ -1,0 +1,52 @@
+"""Which keys each query sees, in Gluon: the rule of :mod:`fmha.masking` for the Hopper kernels.
+
+The same contract as :mod:`fmha.backends.triton.masking` (row i sees keys ``i + lo <= j <= i + hi``
+and ``j < Sk``; ``HAS_LEFT`` / ``HAS_RIGHT`` switch each side on), written again because a Gluon
+kernel cannot call ``triton.jit`` helpers (nor, under TRITON_INTERPRET=1, interpreted ones).
+Ranges are counted in key blocks, as the Hopper kernel's load ring walks them.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def visible(rows, keys, seqlen_k, lo, hi, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Whether row ``rows`` sees key ``keys`` (integer tensors that broadcast, e.g. [M, 1] and [1, N]).
+
+    One compare per score without a left bound: each row's last visible key, then ``keys <= last``.
+    Callers may shift keys, seqlen_k, lo and hi by the same amount (block-relative keys).
+    """
+    last = seqlen_k - 1
+    if HAS_RIGHT:
+        last = gl.minimum(rows + hi, last)
+    seen = keys <= last
+    if HAS_LEFT:
+        seen = seen & (keys >= rows + lo)
+    return seen
+
+
+@gluon.jit
+def key_blocks(first_row, num_rows, seqlen_k, lo, hi,
+               BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Key blocks seen by rows [first_row, first_row + num_rows): ``(start, full_start, full_end, end)``.
+
+    Blocks [start, full_start) and [full_end, end) need the per-score mask; [full_start, full_end)
+    are seen whole by every row. An empty window gives end == start.
+    """
+    if HAS_RIGHT:
+        kv_end = gl.minimum(seqlen_k, first_row + num_rows + hi)
+        full_end = gl.minimum(seqlen_k, first_row + hi + 1)
+    else:
+        kv_end = seqlen_k
+        full_end = seqlen_k
+    if HAS_LEFT:
+        start = gl.maximum(first_row + lo, 0) // BLOCK_N
+        full_start = gl.cdiv(gl.maximum(first_row + num_rows - 1 + lo, 0), BLOCK_N)
+    else:
+        start = 0
+        full_start = 0
+    end = gl.maximum(gl.cdiv(gl.maximum(kv_end, 0), BLOCK_N), start)
+    full_start = gl.minimum(gl.maximum(full_start, start), end)
+    full_end = gl.maximum(gl.minimum(gl.maximum(full_end, 0) // BLOCK_N, end), full_start)
+    return start, full_start, full_end, end

@@ -1,0 +1,66 @@
+"""The Hopper forward's schedule: the launch choices of the Gluon kernel, as a config object."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+CONSUMER_ROWS = 64  # query rows per consumer warpgroup
+
+
+@dataclass(frozen=True)
+class HopperSchedule:
+    """How the warp-specialised Gluon forward runs a call (see :mod:`fmha.backends.gluon_sm90.forward`).
+
+    ``block_n`` keys per step through a ring of ``stages`` shared-memory slots; ``persistent``:
+    ``ctas_per_sm`` programs per multiprocessor walk the tiles (causal ones in longest/shortest
+    pairs), otherwise one program per tile; ``consumers``: 1-3 warpgroups of 64 query rows per
+    tile; ``emulated_exp2`` (0, 2, 4, 8): one exponential in that many on the FMA units;
+    ``q_buffers`` 2: each consumer's next Q tile loads while it works on the current one;
+    ``ctas_per_sm``: CTAs sharing a multiprocessor (registers per thread shrink with it).
+    """
+
+    backend: ClassVar[str] = "gluon_sm90"
+
+    block_n: int = 128
+    stages: int = 2
+    persistent: bool = True
+    consumers: int = 2
+    emulated_exp2: int = 0
+    q_buffers: int = 1
+    ctas_per_sm: int = 1
+
+    def __post_init__(self):
+        checks = {"block_n": self.block_n in (64, 128), "stages": 1 <= self.stages <= 4,
+                  "consumers": self.consumers in (1, 2, 3), "emulated_exp2": self.emulated_exp2 in (0, 2, 4, 8),
+                  "q_buffers": self.q_buffers in (1, 2), "ctas_per_sm": 1 <= self.ctas_per_sm <= 4}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"HopperSchedule.{name}: {getattr(self, name)!r} is not a valid choice")
+
+    @property
+    def block_m(self) -> int:
+        return self.consumers * CONSUMER_ROWS
+
+    def to_ints(self) -> tuple[int, ...]:
+        return tuple(int(value) for value in dataclasses.astuple(self))
+
+    @classmethod
+    def from_ints(cls, values) -> "HopperSchedule":
+        names = [field.name for field in dataclasses.fields(cls)]
+        return cls(**{name: (bool(value) if name == "persistent" else int(value)) for name, value in zip(names, values)})
+
+    def to_record(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict) -> "HopperSchedule":
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in record.items() if name in names})
+
+    def text(self) -> str:
+        default = HopperSchedule()
+        changed = [f"{name}={value}" for name, value in dataclasses.asdict(self).items()
+                   if value != getattr(default, name)]
+        return "HopperSchedule(" + ", ".join(changed) + ")"

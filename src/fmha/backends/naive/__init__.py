@@ -1,0 +1,1 @@
+"""Step 2 of the ladder: the materialising baseline (S and P written to global memory)."""

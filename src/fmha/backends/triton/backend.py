@@ -1,0 +1,43 @@
+"""The portable backend: the Triton forward and backward, on every GPU and under the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+from ...params import AttentionParams
+from ...runtime import INTERPRETED
+from ...tuning import lookup
+from .config import INTERPRETER_BACKWARD_CONFIG, INTERPRETER_FORWARD_CONFIG, BackwardConfig, ForwardConfig
+from .launch import PortableForward, launch_backward
+
+
+class TritonBackend:
+    name = "triton"
+    description = "portable Triton kernel (any GPU; the CPU under TRITON_INTERPRET=1)"
+    config_class = ForwardConfig
+
+    def refusal(self, params: AttentionParams, q, k, v) -> str | None:
+        if params.options.layout != "dense":
+            return f"layout {params.options.layout!r} is not built yet"
+        return None
+
+    def forward_config(self, params: AttentionParams) -> tuple[ForwardConfig, str]:
+        if params.options.backend == self.name:
+            return ForwardConfig.from_ints(params.options.config), "explicit config="
+        if INTERPRETED:
+            return INTERPRETER_FORWARD_CONFIG, "pinned under the interpreter"
+        return lookup.portable_config(params, autotune=os.environ.get("FMHA_AUTOTUNE") == "1")
+
+    def prepare_forward(self, params: AttentionParams, config: ForwardConfig) -> PortableForward:
+        return PortableForward(params, config)
+
+    def backward_config(self, params: AttentionParams) -> tuple[BackwardConfig, str]:
+        if INTERPRETED:
+            return INTERPRETER_BACKWARD_CONFIG, "pinned under the interpreter"
+        return lookup.backward_config(params)
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, params: AttentionParams,
+                 config: BackwardConfig | None = None) -> None:
+        if config is None:
+            config, _ = self.backward_config(params)
+        launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params, config)

@@ -1,0 +1,233 @@
+"""The fused attention backward: delta, then dK/dV and dQ in two kernels, no atomics.
+
+With P = softmax(S), S = Q Kᵀ·scale, O = P V and the forward's LSE saved:
+
+* ``delta_i = rowsum(O ⊙ dO)_i`` (preprocess);
+* ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dS = P ⊙ (dP - delta)``;
+* ``dK = scale · dSᵀ Q`` and ``dQ = scale · dS K``.
+
+P is recomputed block by block from Q, K and the LSE (``exp2`` with the scale folded in),
+never stored. The dK/dV kernel keeps one K/V block resident per program and walks the query
+blocks of every query head in its GQA group, so dK/dV are summed over the group in registers.
+The dQ kernel keeps one query block resident and walks the key blocks. Every output element is
+written by exactly one program: the gradients are deterministic run to run.
+
+Masking follows the forward (:mod:`fmha.backends.triton.masking`): blocks outside the window are
+skipped, blocks crossing its edges (or the end of a sequence) run a masked pass, the others run
+unmasked.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import load_rows
+from .masking import key_blocks, query_blocks, visible
+
+LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def backward_preprocess_kernel(
+    Out, DOut, Delta,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    num_q_heads, seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_q_heads
+    head = batch_head % num_q_heads
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # [BLOCK_M]
+    tl.store(Delta + batch_head.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _load_row_stats(lse_ptr, delta_ptr, rows, seqlen_q, MASKED: tl.constexpr):
+    """LSE (log2 units) and delta of some query rows; a row that saw no key gets LSE +inf, so P = 0."""
+    if MASKED:
+        lse = tl.load(lse_ptr + rows, mask=rows < seqlen_q, other=0.0)
+        delta = tl.load(delta_ptr + rows, mask=rows < seqlen_q, other=0.0)
+    else:
+        lse = tl.load(lse_ptr + rows)
+        delta = tl.load(delta_ptr + rows)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)
+    return lse, delta
+
+
+@triton.jit
+def _dkdv_query_blocks(
+    dk, dv,  # [BLOCK_N, BLOCK_D] f32 accumulators
+    k, v,  # [BLOCK_N, BLOCK_D]
+    q_base, do_base, lse_ptr, delta_ptr,
+    stride_qm, stride_qd, stride_dom, stride_dod,
+    keys, offs_m, offs_d,
+    m_start, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    for start_m in range(m_start, m_end, BLOCK_M):
+        rows = start_m + offs_m  # [BLOCK_M]
+        q = load_rows(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, rows, seqlen_q,
+                       offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_M, BLOCK_D]
+        do = load_rows(do_base + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, rows, seqlen_q,
+                        offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_M, BLOCK_D]
+        lse, delta = _load_row_stats(lse_ptr, delta_ptr, rows, seqlen_q, MASKED)  # [BLOCK_M] each
+        scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        probs_t = tl.math.exp2(scores_t - lse[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED:
+            seen = visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
+            probs_t = tl.where(seen & (rows[None, :] < seqlen_q), probs_t, 0.0)
+        dv = tl.dot(probs_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dprobs_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        dscores_t = probs_t * (dprobs_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+        dk = tl.dot(dscores_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def backward_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    n_block = tl.program_id(0)
+    batch_kv_head = tl.program_id(1)
+    batch = batch_kv_head // num_kv_heads
+    kv_head = batch_kv_head % num_kv_heads
+
+    keys = n_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    kv_mask = (keys[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+                + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+                + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+
+    # Query rows that see this key block: [m_start, m_end); rows [full_start, full_end) see all of
+    # it (whole query blocks inside Sq, so they run unmasked).
+    m_start, full_start, full_end, m_end = query_blocks(
+        n_block * BLOCK_N, BLOCK_N, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for member in range(0, group_size):
+        head = kv_head * group_size + member
+        batch_head = batch * num_q_heads + head
+        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        do_base = DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+        lse_ptr = Lse + batch_head.to(tl.int64) * seqlen_q
+        delta_ptr = Delta + batch_head.to(tl.int64) * seqlen_q
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
+            keys, offs_m, offs_d, m_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
+            keys, offs_m, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
+            keys, offs_m, offs_d, full_end, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+
+    dk = dk * scale
+    tl.store(DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+             + keys[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+             + keys[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_key_blocks(
+    dq,  # [BLOCK_M, BLOCK_D] f32 accumulator
+    q, do, lse, delta,  # [BLOCK_M, BLOCK_D] x2, [BLOCK_M] x2
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    rows, offs_n, offs_d,
+    n_start, n_end, seqlen_k, lo, hi, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    for start_n in range(n_start, n_end, BLOCK_N):
+        keys = start_n + offs_n  # [BLOCK_N]
+        k = load_rows(k_base + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, keys, seqlen_k,
+                       offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
+        v = load_rows(v_base + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, keys, seqlen_k,
+                       offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        probs = tl.math.exp2(scores - lse[:, None])  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            seen = visible(rows[:, None], keys[None, :], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
+            probs = tl.where(seen, probs, 0.0)
+        dprobs = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        dscores = probs * (dprobs - delta[:, None])  # [BLOCK_M, BLOCK_N]
+        dq = tl.dot(dscores.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def backward_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_q_heads
+    head = batch_head % num_q_heads
+    kv_head = head // group_size
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    q_mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+                + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    do = tl.load(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                 + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+    lse, delta = _load_row_stats(Lse + batch_head.to(tl.int64) * seqlen_q,
+                                 Delta + batch_head.to(tl.int64) * seqlen_q, rows, seqlen_q, True)
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+
+    # The forward's key ranges: masked, whole blocks every row sees, masked.
+    kv_start, full_start, full_end, kv_end = key_blocks(
+        m_block * BLOCK_M, BLOCK_M, seqlen_k, lo, hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_LEFT:
+        dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                            rows, offs_n, offs_d, kv_start, full_start, seqlen_k, lo, hi, qk_scale,
+                            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        rows, offs_n, offs_d, full_start, full_end, seqlen_k, lo, hi, qk_scale,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        rows, offs_n, offs_d, full_end, kv_end, seqlen_k, lo, hi, qk_scale,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    dq = dq * scale
+    tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+             + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -1,0 +1,121 @@
+"""Tile configurations: what a launch needs beyond the tensors.
+
+The autotuner supplies a :class:`ForwardConfig` per shape; until one is known,
+:func:`heuristic_forward_config` picks one from the head dim and dtype.
+Under the Triton interpreter a single small tile is pinned: it does not autotune,
+and small tiles keep CPU tests quick while still crossing block boundaries.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Tiles of the portable forward: BLOCK_M query rows per program, BLOCK_N keys per step."""
+
+    backend: ClassVar[str] = "triton"
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def to_ints(self) -> tuple[int, int, int, int]:
+        return (self.block_m, self.block_n, self.num_warps, self.num_stages)
+
+    @classmethod
+    def from_ints(cls, values) -> "ForwardConfig":
+        return cls(*values)
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"ForwardConfig.{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ForwardConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"ForwardConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+class BackwardConfig(ForwardConfig):
+    """Tiles of the backward kernels: ``block_n`` resident rows, ``block_m`` streamed rows.
+
+    The dK/dV kernel keeps ``block_n`` keys and streams ``block_m`` queries; the dQ kernel
+    keeps ``block_n`` queries and streams ``block_m`` keys.
+    """
+
+
+@dataclass(frozen=True)
+class KernelFeatures:
+    """Compile-time choices of the forward kernel beyond its tiles (see fmha.backends.triton.forward).
+
+    Each is a request: the launcher drops one that a call cannot use (tensor descriptors
+    need 16-byte aligned rows and strides, the folded scale needs scale > 0).
+    """
+
+    tma: bool = False
+    fused_scale: bool = True
+    pipeline_qk: bool = False
+    warp_specialize: bool = False
+    persistent: bool = False
+
+
+# Measured on the H100 (docs/perf.md, "Levers"): the folded scale pays on every shape. Tensor
+# descriptors gain 1-4% of GPU time for head dims up to 64 but cost about 130 us of host time per
+# launch (made and encoded on the host), so they stay off, as do QK pipelining, the persistent
+# grid and Triton's warp specialisation, which lost or did not compile.
+DEFAULT_FEATURES = KernelFeatures()
+
+INTERPRETER_FORWARD_CONFIG = ForwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+INTERPRETER_BACKWARD_CONFIG = BackwardConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Power-of-two register width for a head dim; tl.dot needs at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def heuristic_forward_config(head_dim: int, dtype: torch.dtype, seqlen_q: int) -> ForwardConfig:
+    """A config that compiles everywhere and runs well on Hopper-class GPUs."""
+    # Cached per power-of-two query-length bucket: the hot path pays a dict lookup.
+    return _heuristic_forward_config(head_dim, dtype, min(128, triton.next_power_of_2(seqlen_q)))
+
+
+@functools.lru_cache(maxsize=None)
+def _heuristic_forward_config(head_dim: int, dtype: torch.dtype, seqlen_q_bucket: int) -> ForwardConfig:
+    block_d = padded_head_dim(head_dim)
+    if block_d <= 128:
+        # In a 36-config H100 sweep over the seeds/std cases (D = 64 and 128) this was
+        # best on 6 of 15 and within 9% of the best on the others
+        # (benchmarks/results/h100_forward_config_sweep.json).
+        config = ForwardConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    else:
+        config = ForwardConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    block_n = config.block_n
+    if dtype == torch.float32:
+        # Twice the bytes per element: halve the K/V tile so shared memory still fits.
+        block_n = max(16, block_n // 2)
+    # No point in query tiles longer than the query.
+    block_m = min(config.block_m, max(16, seqlen_q_bucket))
+    return ForwardConfig(block_m, block_n, config.num_warps, config.num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def heuristic_backward_config(head_dim: int, dtype: torch.dtype) -> BackwardConfig:
+    """The dK/dV kernel keeps K, V, dK and dV of BLOCK_N keys live: wide heads get small tiles."""
+    block_d = padded_head_dim(head_dim)
+    if dtype == torch.float32:
+        return BackwardConfig(32, 32, 4, 1) if block_d <= 128 else BackwardConfig(16, 16, 4, 1)
+    if block_d <= 128:
+        # H100 sweep at D=128 (benchmarks/results/h100_backward_config_sweep.json): 64x64 with
+        # 4 warps and 2 stages was best of 16, at 2.1x the same tiles with 8 warps.
+        return BackwardConfig(64, 64, 4, 2)
+    return BackwardConfig(32, 32, 4, 1)

@@ -1,0 +1,158 @@
+"""Launchers of the portable Triton kernels: grids, strides and constexprs from one AttentionParams.
+
+They take tensors that :mod:`fmha.params` has checked (4-D, one dtype, one device, Hq % Hkv == 0,
+non-empty) and an explicit tile config. :class:`PortableForward` is the forward prepared once per
+call signature: the first call compiles through Triton's JIT, later calls launch the compiled
+kernel directly with the integer arguments computed once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ...params import AttentionParams
+from ...runtime import INTERPRETED, TensorDescriptor, multiprocessors, run_compiled
+from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel
+from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatures, padded_head_dim
+from .forward import LOG2_E, attention_forward_kernel
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get exact fp32 products, like PyTorch's default matmul (no TF32).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def window_bounds(params: AttentionParams) -> tuple[bool, bool, int, int]:
+    """``(HAS_LEFT, HAS_RIGHT, lo, hi)``: row i sees keys i + lo <= j <= i + hi (fmha.backends.triton.masking)."""
+    options = params.options
+    offset = 0 if options.top_left else params.seqlen_k - params.seqlen_q
+    has_left, has_right = options.window_left is not None, options.window_right is not None
+    return (has_left, has_right, offset - options.window_left if has_left else 0,
+            offset + options.window_right if has_right else 0)
+
+
+def tma_compatible(tensor: torch.Tensor) -> bool:
+    """Whether a (B, H, S, D) tensor can be described to the bulk tensor copy engine.
+
+    The base and every stride but the last (which must be 1) have to be 16-byte multiples and
+    non-zero; a dimension of size 1 is never stepped, so its stride does not matter.
+    """
+    strides = tensor.stride()
+    if strides[3] != 1 or tensor.data_ptr() % 16:
+        return False
+    return _strides_tma_compatible(tensor.shape, strides, tensor.element_size())
+
+
+@functools.lru_cache(maxsize=1024)
+def _strides_tma_compatible(shape: torch.Size, strides: tuple[int, ...], item: int) -> bool:
+    return all(size == 1 or (stride > 0 and stride * item % 16 == 0) for size, stride in zip(shape[:3], strides[:3]))
+
+
+@functools.lru_cache(maxsize=1024)
+def descriptor_strides(shape: torch.Size, strides: tuple[int, ...]) -> list[int]:
+    # Any 16-byte multiple will do for a dimension that is never stepped. (Cached: callers only read it.)
+    return [16 if size == 1 and dim < 3 else stride for dim, (size, stride) in enumerate(zip(shape, strides))]
+
+
+def _descriptor(tensor: torch.Tensor, block_rows: int, block_d: int):
+    return TensorDescriptor(tensor, list(tensor.shape), descriptor_strides(tensor.shape, tensor.stride()),
+                            [1, 1, block_rows, block_d])
+
+
+class PortableForward:
+    """The portable forward for one call signature (shapes, strides, dtype, options) and config.
+
+    Calling it writes ``out`` and ``lse``; it returns Triton's compiled kernel (None under the
+    interpreter), for resource reports.
+    """
+
+    __slots__ = ("params", "config", "features", "constants", "grid", "qk_scale", "window", "compiled", "integers")
+
+    def __init__(self, params: AttentionParams, config: ForwardConfig, features: KernelFeatures = DEFAULT_FEATURES):
+        has_left, has_right, lo, hi = window_bounds(params)
+        scale = params.options.scale
+        self.params, self.config, self.features = params, config, features
+        self.window = (lo, hi)
+        self.qk_scale = scale * LOG2_E
+        self.constants = dict(
+            HEAD_DIM=params.head_dim, BLOCK_D=padded_head_dim(params.head_dim),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(params.dtype),
+            USE_TMA=False, FUSED_SCALE=features.fused_scale and scale > 0,
+            PIPELINE_QK=features.pipeline_qk, WARP_SPECIALIZE=features.warp_specialize,
+            PERSISTENT=features.persistent,
+        )
+        num_tiles = triton.cdiv(params.seqlen_q, config.block_m) * params.batch * params.q_heads
+        self.grid = min(num_tiles, multiprocessors(params.device)) if features.persistent else num_tiles
+        self.compiled = None
+        self.integers = None
+
+    def __call__(self, q, k, v, out, lse):
+        if self.integers is None:
+            p = self.params
+            self.integers = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), p.batch * p.q_heads, p.q_heads,
+                             p.group, p.seqlen_q, p.seqlen_k, *self.window)
+        if self.compiled is not None:
+            run_compiled(self.compiled, self.grid, q.device,
+                         (q, k, v, out, lse, None, None, None, None, *self.integers, self.qk_scale,
+                          *self.constants.values()))
+            return self.compiled
+        constants = self.constants
+        descriptors = (None, None, None, None)
+        use_tma = (self.features.tma and TensorDescriptor is not None
+                   and all(tma_compatible(t) for t in (q, k, v, out)))
+        if use_tma:  # host descriptors vary per call: always through the JIT
+            block_m, block_n, block_d = self.config.block_m, self.config.block_n, constants["BLOCK_D"]
+            descriptors = (_descriptor(q, block_m, block_d), _descriptor(k, block_n, block_d),
+                           _descriptor(v, block_n, block_d), _descriptor(out, block_m, block_d))
+            constants = {**constants, "USE_TMA": True}
+        compiled = attention_forward_kernel[(self.grid,)](
+            q, k, v, out, lse, *descriptors, *self.integers, self.qk_scale, **constants,
+            num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+        if not (INTERPRETED or use_tma):
+            # Later calls of this signature launch it directly (same specialisation: the
+            # signature fixes every integer, and the pointers' 16-byte alignment is in its key).
+            assert attention_forward_kernel.arg_names[-len(constants):] == list(constants)
+            self.compiled = compiled
+        return compiled
+
+
+def launch_forward(q, k, v, out, lse, params: AttentionParams, config: ForwardConfig,
+                   features: KernelFeatures = DEFAULT_FEATURES):
+    """One forward launch into preallocated ``out`` (B, Hq, Sq, D) and ``lse`` (B, Hq, Sq) fp32."""
+    return PortableForward(params, config, features)(q, k, v, out, lse)
+
+
+def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams, config: BackwardConfig) -> None:
+    """Writes dq, dk, dv (shapes and dtypes of q, k, v) from the forward's out and LSE."""
+    batch, num_q_heads, seqlen_q, head_dim = q.shape
+    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    block_d = padded_head_dim(head_dim)
+    has_left, has_right, lo, hi = window_bounds(params)
+    scale = params.options.scale
+    delta = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    preprocess_block = 16 if INTERPRETED else 64
+    backward_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_block), batch * num_q_heads)](
+        out, dout, delta, *out.stride(), *dout.stride(), num_q_heads, seqlen_q,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block,
+    )
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+                  DOT_PRECISION=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+    group_size = num_q_heads // num_kv_heads
+    # Each kernel keeps block_n rows resident (keys for dK/dV, queries for dQ) and streams
+    # block_m rows of the other side past them.
+    backward_dkdv_kernel[(triton.cdiv(seqlen_k, config.block_n), batch * num_kv_heads)](
+        q, k, v, dout, lse, delta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+        num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, scale * LOG2_E,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, **common,
+    )
+    backward_dq_kernel[(triton.cdiv(seqlen_q, config.block_n), batch * num_q_heads)](
+        q, k, v, dout, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+        num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, scale * LOG2_E,
+        BLOCK_M=config.block_n, BLOCK_N=config.block_m, **common,
+    )

@@ -1,1 +1,0 @@
-"""Benchmarks: suites of cases, peer providers, metrics and the runner (``python -m fmha.bench``)."""

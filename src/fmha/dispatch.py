@@ -1,0 +1,136 @@
+"""What runs a call: each backend says whether it supports the parameters, and if not, why.
+
+Forward: the Hopper backend (``gluon_sm90``) first, where the tuning data picks one of its
+schedules for the call's key; then the portable Triton backend, which takes every dense call.
+The naive baseline runs only when asked for by name. An explicit ``config=`` names its backend
+(``ForwardConfig``: portable; ``HopperSchedule``: Gluon): if that backend refuses the call, the
+call raises ``ValueError`` with the reason instead of running something else.
+
+A prepared forward (:class:`PreparedForward`) is built once per call signature and reused: a
+repeated call costs a dictionary lookup, two allocations and a launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .backends.gluon_sm90.backend import HopperBackend
+from .backends.naive.backend import NaiveBackend
+from .backends.triton.backend import TritonBackend
+from .params import AttentionParams
+
+BACKENDS = {backend.name: backend for backend in (HopperBackend(), TritonBackend(), NaiveBackend())}
+FORWARD_ORDER = ("gluon_sm90", "triton")
+BACKWARD_BACKEND = BACKENDS["triton"]
+
+
+@dataclass
+class Explanation:
+    """Which backend and config run a call, where the config came from, and why the others refused."""
+
+    backend: str
+    config: object
+    source: str
+    refused: dict[str, str] = field(default_factory=dict)
+    backward: str | None = None
+
+    def __str__(self) -> str:
+        config = self.config.text() if hasattr(self.config, "text") else self.config
+        lines = [f"runs: {self.backend} ({BACKENDS[self.backend].description if self.backend in BACKENDS else ''})",
+                 f"config: {config} (from {self.source})"]
+        if self.backward:
+            lines.append(f"backward: {self.backward}")
+        lines += [f"not {name}: {reason}" for name, reason in self.refused.items()]
+        return "\n".join(lines)
+
+
+def choose_forward(params: AttentionParams, q, k, v) -> Explanation:
+    """The backend and config for this call, with every refusal on the way."""
+    explicit = params.options.backend
+    if explicit:
+        backend = BACKENDS[explicit]
+        reason = backend.refusal(params, q, k, v)
+        if reason is not None:
+            raise ValueError(f"fmha: config= asks for the {explicit} backend, which cannot run this call: {reason}")
+        config, source = backend.forward_config(params)
+        return Explanation(explicit, config, source)
+    refused = {}
+    for name in FORWARD_ORDER:
+        backend = BACKENDS[name]
+        reason = backend.refusal(params, q, k, v)
+        if reason is None:
+            config, source = backend.forward_config(params)
+            if config is not None:
+                return Explanation(name, config, source, refused)
+            reason = f"the tuning data picks another kernel here ({source})"
+        refused[name] = reason
+    raise ValueError("fmha: no backend can run this call: "
+                     + "; ".join(f"{name}: {reason}" for name, reason in refused.items()))
+
+
+class PreparedForward:
+    """A call signature's forward: allocates the outputs, handles empty inputs, launches."""
+
+    __slots__ = ("params", "explanation", "launch", "lse_shape", "device_index", "empty", "no_keys")
+
+    def __init__(self, params: AttentionParams, q, k, v):
+        self.params = params
+        self.lse_shape = (params.batch, params.q_heads, params.seqlen_q)
+        self.device_index = params.device.index if params.device.type == "cuda" else None
+        self.empty = params.empty
+        self.no_keys = params.seqlen_k == 0
+        if self.empty or self.no_keys:
+            self.explanation = Explanation("none", None, "empty input: nothing is launched")
+            self.launch = None
+        else:
+            self.explanation = choose_forward(params, q, k, v)
+            self.launch = BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
+
+    def __call__(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)``; ``out`` keeps q's layout (BSHD stays BSHD) when q is dense."""
+        out = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
+        if self.launch is None:
+            if self.no_keys and not self.empty:  # every row sees nothing
+                out.zero_(), lse.fill_(float("-inf"))
+            return out, lse
+        index = self.device_index
+        if index is not None and index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                self.launch(q, k, v, out, lse)
+        else:
+            self.launch(q, k, v, out, lse)
+        return out, lse
+
+
+_prepared: dict = {}
+
+
+def prepared_forward(params: AttentionParams, q, k, v) -> PreparedForward:
+    """The prepared forward of this call's signature (shapes, strides, options, 16-byte alignment)."""
+    key = (params, q.stride(), k.stride(), v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
+    prepared = _prepared.get(key)
+    if prepared is None:
+        prepared = _prepared[key] = PreparedForward(params, q, k, v)
+    return prepared
+
+
+def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None):
+    """``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (the portable backward)."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    index = params.device.index if params.device.type == "cuda" else None
+    if index is not None and index != torch.cuda.current_device():
+        with torch.cuda.device(index):
+            BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config)
+    else:
+        BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config)
+    return dq, dk, dv
+
+
+def forget() -> None:
+    """Drop prepared forwards (after tuning data changed)."""
+    _prepared.clear()

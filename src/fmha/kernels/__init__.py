@@ -1,1 +1,0 @@
-"""Triton kernels (``@triton.jit`` only); launchers live in :mod:`fmha.launch`."""

@@ -1,0 +1,238 @@
+"""One validated description of an attention call: :class:`AttentionParams`.
+
+Every entry point reduces its arguments to an ``AttentionParams``: the shapes, dtype and device
+of q, k and v, plus :class:`AttentionOptions`, everything else about the call (scale, the key
+window, the score modifiers, dropout, an explicit kernel choice). Options hold only values a
+``torch.library`` schema can carry, and the custom ops' schemas are generated from its fields
+(:func:`options_schema`), so a new feature adds a field here, its checks, and kernel code.
+
+Checks raise ``TypeError`` / ``ValueError`` / ``NotImplementedError`` naming the argument,
+before anything is launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import typing
+from dataclasses import dataclass
+
+import torch
+
+from .masking import Window
+from .runtime import INTERPRETED
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+LAYOUTS = ("dense",)  # "varlen" and "paged" come with their issues
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """Everything about a call except its tensors; the custom ops carry these fields by name."""
+
+    scale: float
+    # The key window (fmha.masking.Window): row i sees pos(i) - left <= j <= pos(i) + right, with
+    # pos(i) = i + Sk - Sq, or i when top_left (SDPA's is_causal). None: unbounded side.
+    window_left: int | None = None
+    window_right: int | None = None
+    top_left: bool = False
+    layout: str = "dense"
+    softcap: float = 0.0  # 0: off
+    dropout_p: float = 0.0
+    deterministic: bool = False
+    # An explicit kernel choice: "" lets dispatch decide; else the backend's name and its config
+    # as integers (fmha.backends.*: ForwardConfig / HopperSchedule .to_ints()).
+    backend: str = ""
+    config: tuple[int, ...] = ()
+
+    @property
+    def masked(self) -> bool:
+        return self.window_left is not None or self.window_right is not None
+
+    def window(self, seqlen_q: int, seqlen_k: int) -> Window | None:
+        if not self.masked:
+            return None
+        return Window.of(seqlen_q, seqlen_k, left=self.window_left, right=self.window_right, top_left=self.top_left)
+
+    def op_args(self) -> tuple:
+        return tuple(getattr(self, field.name) for field in _OPTION_FIELDS)
+
+    @classmethod
+    def from_op_args(cls, *args) -> "AttentionOptions":
+        values = dict(zip((field.name for field in _OPTION_FIELDS), args))
+        values["config"] = tuple(values["config"])
+        return cls(**values)
+
+
+_OPTION_FIELDS = dataclasses.fields(AttentionOptions)
+_SCHEMA_TYPES = {"float": "float", "int | None": "int?", "bool": "bool", "str": "str", "float | None": "float?",
+                 "tuple[int, ...]": "int[]"}
+
+
+def options_schema() -> str:
+    """The options as ``torch.library`` schema arguments: ``float scale, int? window_left, ...``."""
+    return ", ".join(f"{_SCHEMA_TYPES[field.type]} {field.name}" for field in _OPTION_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionParams:
+    """A validated call: q is (batch, q_heads, seqlen_q, head_dim), k and v (batch, kv_heads, seqlen_k, head_dim)."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    options: AttentionOptions
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads if self.kv_heads else 1
+
+    @property
+    def window(self) -> Window | None:
+        return self.options.window(self.seqlen_q, self.seqlen_k)
+
+    @property
+    def causal(self) -> bool:
+        """Whether any key is hidden from some row (a causal mask or a window)."""
+        return self.options.masked
+
+    @property
+    def empty(self) -> bool:
+        return self.batch * self.q_heads * self.seqlen_q * self.head_dim == 0
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, options: AttentionOptions) -> "AttentionParams":
+        batch, q_heads, seqlen_q, head_dim = q.shape
+        return cls(batch, q_heads, k.shape[1], seqlen_q, k.shape[2], head_dim, q.dtype, q.device, options)
+
+
+def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
+    """Raise TypeError/ValueError naming the argument unless q, k, v can be attended."""
+    for name, tensor in zip(names, (q, k, v)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: {name} has dtype {tensor.dtype}; supported dtypes are "
+                            "torch.float16, torch.bfloat16 and torch.float32")
+        if tensor.ndim != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D (batch, heads, seqlen, head_dim), "
+                             f"got {tensor.ndim}-D with shape {tuple(tensor.shape)}")
+    qn, kn, vn = names
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: {qn}, {kn} and {vn} must have the same dtype, "
+                        f"got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{fn}: {qn}, {kn} and {vn} must be on the same device, "
+                         f"got {q.device}, {k.device} and {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"{fn}: batch sizes differ: {qn} has {q.shape[0]}, {kn} {k.shape[0]}, {vn} {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"{fn}: {kn} and {vn} must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{fn}: {kn} and {vn} must have the same sequence length, "
+                         f"got {k.shape[2]} and {v.shape[2]}")
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_kv_heads == 0 and num_q_heads != 0 or num_kv_heads and num_q_heads % num_kv_heads:
+        raise ValueError(f"{fn}: the number of query heads ({num_q_heads}, in {qn}) must be a multiple "
+                         f"of the number of key/value heads ({num_kv_heads}, in {kn})")
+    head_dim = q.shape[3]
+    if k.shape[3] != head_dim or v.shape[3] != head_dim:
+        raise ValueError(f"{fn}: head dim mismatch: {qn} has {head_dim}, {kn} {k.shape[3]}, {vn} {v.shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{fn}: head dim (last dim of {qn}) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError(f"{fn}: {qn} is a CPU tensor, and fmha's kernels run on the GPU. To run them on "
+                           "the CPU through Triton's interpreter, set TRITON_INTERPRET=1 before importing "
+                           "triton or fmha.")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{fn}: {qn} is on device {q.device}; fmha runs on CUDA devices "
+                         "(or on the CPU under TRITON_INTERPRET=1)")
+
+
+def check_scale(fn: str, scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{fn}: scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    return float(scale)
+
+
+def check_flag(fn: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_window(fn: str, window) -> tuple[int | None, int | None]:
+    """``window=(left, right)``: non-negative ints or None (unbounded)."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"{fn}: window must be a (left, right) pair, got {window!r}")
+    sides = []
+    for name, side in zip(("left", "right"), window):
+        if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0):
+            raise ValueError(f"{fn}: window's {name} side must be a non-negative int or None, got {side!r}")
+        sides.append(None if side is None else int(side))
+    return sides[0], sides[1]
+
+
+def check_not_yet(fn: str, **features) -> None:
+    """Features whose slots exist but whose kernels come with later issues."""
+    for name, value in features.items():
+        if value is not None:
+            raise NotImplementedError(f"{fn}: {name} is not supported yet")
+
+
+def check_dropout(fn: str, dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{fn}: dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    if dropout_p > 0.0:
+        raise NotImplementedError(f"{fn}: dropout_p > 0 is not supported yet")
+    return float(dropout_p)
+
+
+def explicit_choice(fn: str, config) -> tuple[str, tuple[int, ...]]:
+    """``config=``: a backend's config object (``ForwardConfig``, ``HopperSchedule``) or None."""
+    if config is None:
+        return "", ()
+    backend = getattr(type(config), "backend", None)
+    if not isinstance(backend, str) or not hasattr(config, "to_ints"):
+        raise TypeError(f"{fn}: config must be a fmha.ForwardConfig, a fmha.HopperSchedule or None, "
+                        f"got {type(config).__name__}")
+    return backend, config.to_ints()
+
+
+def attention_params(fn: str, q, k, v, *, causal=False, scale=None, window=None, softcap=None,
+                     alibi_slopes=None, sinks=None, dropout_p=0.0, generator=None, deterministic=False,
+                     config=None, top_left=False, names=("q", "k", "v"), backend: str = "") -> AttentionParams:
+    """Validate a call's arguments and reduce them to one :class:`AttentionParams`."""
+    check_qkv(fn, q, k, v, names)
+    causal = check_flag(fn, "causal", causal)
+    check_flag(fn, "deterministic", deterministic)
+    left, right = check_window(fn, window)
+    if window is not None and (left is not None or right is not None):
+        raise NotImplementedError(f"{fn}: window is not supported yet")
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    check_not_yet(fn, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, generator=generator)
+    dropout_p = check_dropout(fn, dropout_p)
+    chosen, config_ints = explicit_choice(fn, config)
+    options = AttentionOptions(scale=check_scale(fn, scale, q.shape[3]), window_left=left, window_right=right,
+                               top_left=top_left, dropout_p=dropout_p, deterministic=deterministic,
+                               backend=backend or chosen, config=config_ints)
+    return AttentionParams.of(q, k, options)
+
+
+# The annotations above are strings (``from __future__ import annotations``); the schema map reads them.
+assert all(isinstance(field.type, str) and field.type in _SCHEMA_TYPES for field in _OPTION_FIELDS), \
+    typing.get_type_hints(AttentionOptions)

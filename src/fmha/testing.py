@@ -1,0 +1,131 @@
+"""Shared by the tests, the tools and the autotuner: inputs, the error rule and timing.
+
+* :func:`random_qkv`: fresh normal inputs (never zeros), BHSD or BSHD storage.
+* The error rule: ``max|out - float64| <= 2 * max|PyTorch same-dtype - float64| + atol``
+  (:func:`assert_close_to_reference`, :func:`assert_grads_close`); NaN never passes.
+* :func:`relative_error` (against float64) and :func:`time_ms` (``do_bench`` median, CUDA graphs
+  for launch-bound calls).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .masking import Window, visible_mask, window_of
+from .reference import dense_attention
+
+# Below this, host-side launch time can show up in stream timing (the GPU waits for the CPU):
+# replay a CUDA graph instead, which measures the GPU alone. The threshold is above 50 µs because
+# the device's VM host takes 50-90 µs per launch.
+CUDA_GRAPH_THRESHOLD_MS = 0.2
+
+
+def random_qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, device="cpu",
+               layout="bhsd", generator=None, requires_grad=False):
+    """Fresh normal inputs; ``layout='bshd'`` returns transposed views of BSHD storage."""
+
+    def make(heads, seqlen):
+        if layout == "bshd":
+            tensor = torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=device,
+                                 generator=generator).transpose(1, 2)
+        else:
+            tensor = torch.randn(batch, heads, seqlen, head_dim, dtype=dtype, device=device, generator=generator)
+        return tensor.requires_grad_(requires_grad)
+
+    return make(q_heads, seqlen_q), make(kv_heads, seqlen_k), make(kv_heads, seqlen_k)
+
+
+def torch_math_attention(q, k, v, *, causal_offset=None, window: Window | None = None, scale=None):
+    """PyTorch's own attention (SDPA MATH backend) in the inputs' dtype.
+
+    Rows that see no key come back NaN from SDPA; they are set to 0, the defined answer.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    window = window_of(causal_offset, window)
+    mask = None if window is None else visible_mask(q.shape[2], k.shape[2], window, q.device)
+    with sdpa_kernel(SDPBackend.MATH):
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+    return out.nan_to_num(0.0)
+
+
+def assert_close_to_reference(out, q, k, v, *, causal_offset=None, window=None, scale=None, lse=None, atol=None):
+    """The project's error rule.
+
+    max|out - ref64| <= 2 * max|torch_math - ref64| + atol, with ref64 the float64 truth,
+    torch_math PyTorch's same-dtype attention on the same inputs. NaN never passes.
+    """
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not torch.isnan(out).any(), "output contains NaN (unwritten or invalid elements)"
+    window = window_of(causal_offset, window)
+    ref, ref_lse = dense_attention(q, k, v, scale=scale, window=window)
+    torch_out = torch_math_attention(q, k, v, window=window, scale=scale)
+    torch_error = (torch_out.double() - ref).abs().max().item() if ref.numel() else 0.0
+    error = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
+    if atol is None:
+        atol = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}[q.dtype]
+    assert error <= 2 * torch_error + atol, f"max error {error:.3g} > 2 * torch's {torch_error:.3g} + {atol:g}"
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+        assert not torch.isnan(lse).any(), "LSE contains NaN"
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "LSE -inf rows differ"
+        finite = torch.isfinite(ref_lse)
+        lse_tol = 1e-5 if q.dtype == torch.float32 else 1e-3
+        if finite.any():
+            lse_error = (lse.double()[finite] - ref_lse[finite]).abs().max().item()
+            assert lse_error <= lse_tol * max(1.0, ref_lse[finite].abs().max().item()), f"LSE error {lse_error:.3g}"
+    return error, torch_error
+
+
+def assert_grads_close(grads, q, k, v, dout, *, causal_offset=None, window=None, scale=None, atol=None):
+    """The error rule for dq, dk, dv: at most 2x the error of torch's own same-dtype autograd.
+
+    Both are measured against float64 autograd of the same formula; NaN never passes.
+    """
+    window = window_of(causal_offset, window)
+
+    def autograd_of(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, _ = dense_attention(*leaves, scale=scale, window=window, dtype=dtype)
+        return torch.autograd.grad(out, leaves, dout.to(dtype))
+
+    truth = autograd_of(torch.float64)
+    same_dtype = autograd_of(q.dtype)
+    if atol is None:
+        atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[q.dtype]
+    errors = []
+    for name, got, ref, torch_grad, leaf in zip(("dq", "dk", "dv"), grads, truth, same_dtype, (q, k, v)):
+        assert got.shape == leaf.shape and got.dtype == leaf.dtype, name
+        assert not torch.isnan(got).any(), f"{name} contains NaN"
+        error = (got.double() - ref).abs().max().item() if ref.numel() else 0.0
+        torch_error = (torch_grad.double() - ref).abs().max().item() if ref.numel() else 0.0
+        assert error <= 2 * torch_error + atol, f"{name}: max error {error:.3g} > 2 * torch's {torch_error:.3g} + {atol:g}"
+        errors.append(error)
+    return errors
+
+
+def relative_error(q, k, v, out, *, causal_offset=None, max_heads: int = 2) -> float:
+    """Relative L2 error of the first heads of batch 0 against float64 (BHSD or BSHD ``out``); NaN if not finite."""
+    if out.shape != q.shape:
+        out = out.transpose(1, 2)
+    heads = min(max_heads, q.shape[1])
+    group = q.shape[1] // k.shape[1]
+    kv_heads = slice(0, -(-heads // group))
+    q, k, v = (t.detach() for t in (q, k, v))
+    ref, _ = dense_attention(q[:1, :heads], k[:1, kv_heads], v[:1, kv_heads], causal_offset=causal_offset)
+    got = out[:1, :heads].detach().double()
+    if not torch.isfinite(got).all():
+        return float("nan")
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def time_ms(fn) -> tuple[float, str]:
+    """Median milliseconds, with CUDA-graph replay for launch-bound calls."""
+    import triton.testing
+
+    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    if ms < CUDA_GRAPH_THRESHOLD_MS:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"), "cuda_graph"
+    return ms, "do_bench"

@@ -1,0 +1,45 @@
+"""Registers, spills and shared memory of fmha's compiled kernels, read from Triton."""
+
+from __future__ import annotations
+
+import torch
+
+from fmha.backends.naive.launch import launch_naive
+from fmha.backends.triton.config import heuristic_forward_config
+from fmha.backends.triton.launch import launch_forward
+from fmha.params import attention_params
+
+from .cases import Case
+
+
+def describe(step: str, compiled, config: str) -> dict:
+    """One table row from a Triton ``CompiledKernel`` (None under the interpreter)."""
+    if compiled is None:
+        return {"step": step, "kernel": None, "config": config}
+    metadata = compiled.metadata
+    return {"step": step, "kernel": compiled.name, "config": config,
+            "registers": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
+            "shared_bytes": getattr(metadata, "shared", None), "num_warps": getattr(metadata, "num_warps", None),
+            "num_stages": getattr(metadata, "num_stages", None)}
+
+
+def kernel_resources(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     include_naive: bool = True) -> list[dict]:
+    """Launch each fmha kernel once on the case's inputs and read what the compiler produced."""
+    q, k, v = (t.detach() for t in (q, k, v))
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    params = attention_params("kernel_resources", q, k, v, causal=case.causal)
+    config = heuristic_forward_config(case.head_dim, q.dtype, case.seqlen_q)
+    config_text = (f"BLOCK_M={config.block_m} BLOCK_N={config.block_n} "
+                   f"warps={config.num_warps} stages={config.num_stages}")
+    rows = [describe("fused forward (step 3)",
+                     launch_forward(q, k, v, out, lse, params, config),
+                     config_text)]
+    if include_naive:
+        names = ("naive scores (step 2)", "naive softmax (step 2)", "naive PV (step 2)")
+        compiled = launch_naive(q, k, v, out, lse, params)
+        rows += [describe(name, kernel, "") for name, kernel in zip(names, compiled)]
+    for row in rows:
+        row["label"] = case.label
+    return rows

@@ -1,0 +1,65 @@
+"""Shipped Hopper schedules: which Gluon schedule (or the portable kernel) the default path takes.
+
+``defaults/schedules.json`` holds, per GPU architecture, an ordered list of rules measured on a
+GPU of it (docs/perf.md, "The Hopper kernel"). A rule's ``when`` tests the call; the first rule
+that matches gives the schedule, or ``null`` for the portable kernel. Conditions:
+
+* ``head_dim``, ``causal`` (a right window bound): equal;
+* ``seqlen_q_from`` / ``seqlen_q_below``: the query length is at least / under;
+* ``flops_below``: 4·B·Hq·Sq·Sk·D is under (the 128-row tiles would idle);
+* ``tiles_per_sm_below``: 128-row tiles per multiprocessor are under (the grid would not fill the GPU).
+
+An entry that ``fmha tune`` stored in the cache for the call's key comes before these rules.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from ..backends.gluon_sm90.schedule import HopperSchedule
+from ..params import AttentionParams
+
+SCHEDULES_FILE = Path(__file__).parent / "defaults" / "schedules.json"
+SCHEDULES_FORMAT = "fmha-schedules/1"
+
+
+@functools.lru_cache(maxsize=None)
+def _rules(architecture: str) -> tuple:
+    try:
+        data = json.loads(SCHEDULES_FILE.read_text())
+    except (OSError, ValueError):
+        return ()
+    if data.get("format") != SCHEDULES_FORMAT:
+        return ()
+    rules = data.get("architectures", {}).get(architecture, {}).get("rules", [])
+    return tuple((index, rule["when"], None if rule["schedule"] is None else HopperSchedule.from_record(rule["schedule"]))
+                 for index, rule in enumerate(rules))
+
+
+def _matches(when: dict, params: AttentionParams, multiprocessors: int) -> bool:
+    tiles = params.batch * params.q_heads * -(-params.seqlen_q // 128)
+    flops = 4 * params.batch * params.q_heads * params.seqlen_q * params.seqlen_k * params.head_dim
+    tests = {
+        "head_dim": lambda value: params.head_dim == value,
+        "causal": lambda value: params.causal == value,
+        "seqlen_q_from": lambda value: params.seqlen_q >= value,
+        "seqlen_q_below": lambda value: params.seqlen_q < value,
+        "flops_below": lambda value: flops < value,
+        "tiles_per_sm_below": lambda value: tiles < value * multiprocessors,
+    }
+    return all(tests[name](value) for name, value in when.items())
+
+
+def shipped_schedule(params: AttentionParams, architecture: str,
+                     multiprocessors: int) -> tuple[HopperSchedule | None, str]:
+    """The first matching rule's schedule (None: the portable kernel) and which rule it was."""
+    for index, when, schedule in _rules(architecture):
+        if _matches(when, params, multiprocessors):
+            return schedule, f"shipped rule {index} for {architecture} ({json.dumps(when)})"
+    return None, f"no shipped rule for {architecture}"
+
+
+def rule_conditions() -> tuple[str, ...]:
+    return ("head_dim", "causal", "seqlen_q_from", "seqlen_q_below", "flops_below", "tiles_per_sm_below")
