@@ -1,6 +1,6 @@
-"""Two results.json files side by side: fmha's default path (fmha_tuned) and SDPA cuDNN per case.
+"""Two bench.json files side by side: fmha's default path (fmha_tuned) and SDPA cuDNN per case.
 
-    python benchmarks/compare_bench.py old/results.json new/results.json
+    python benchmarks/compare_bench.py old/bench.json new/bench.json
 """
 
 import json

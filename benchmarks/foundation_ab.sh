@@ -15,4 +15,7 @@ PYTHONPATH=.baseline/src python3 -m fmha.cli bench --suite seeds std --providers
   --out "$out/bench_old" > "$out/bench_old.log" 2>&1
 PYTHONPATH=src python3 -m fmha.tools.cli bench --suite seeds std --providers fmha_tuned sdpa_flash sdpa_cudnn \
   --out "$out/bench_new" > "$out/bench_new.log" 2>&1
-PYTHONPATH=src python3 benchmarks/compare_bench.py "$out/bench_old/results.json" "$out/bench_new/results.json" | tee "$out/bench_compare.txt"
+PYTHONPATH=src python3 benchmarks/compare_bench.py "$out/bench_old/bench.json" "$out/bench_new/bench.json" | tee "$out/bench_compare.txt"
+mkdir -p "$out/pack" && cp "$out"/host_*.txt "$out/bench_compare.txt" "$out/foundation_env.txt" "$out/pack/" \
+  && cp "$out/bench_old/bench.json" "$out/pack/bench_old.json" && cp "$out/bench_new/bench.json" "$out/pack/bench_new.json" \
+  && cp "$out/bench_old.log" "$out/bench_new.log" "$out/pack/" && tar czf "$out/foundation_ab.tgz" -C "$out/pack" .

@@ -181,7 +181,8 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
     head = batch_head % num_q_heads
     first_row = m_block * BLOCK_M
     # Without a left bound the first block is 0 (HAS_LEFT is not built into this kernel yet).
-    _, num_unmasked_blocks, _, num_kv_blocks = key_blocks(first_row, BLOCK_M, seqlen_k, 0, hi, BLOCK_N, False, HAS_RIGHT)
+    # Blocks [0, full_end) need no mask; [full_end, end) do.
+    _, _, num_unmasked_blocks, num_kv_blocks = key_blocks(first_row, BLOCK_M, seqlen_k, 0, hi, BLOCK_N, False, HAS_RIGHT)
     return batch_head // num_q_heads, head, head // group_size, batch_head, first_row, num_kv_blocks, num_unmasked_blocks
 
 
