@@ -106,7 +106,7 @@ def assert_grads_close(grads, q, k, v, dout, *, causal_offset=None, window=None,
     return errors
 
 
-def relative_error(q, k, v, out, *, causal_offset=None, max_heads: int = 2) -> float:
+def relative_error(q, k, v, out, *, causal_offset=None, window: Window | None = None, max_heads: int = 2) -> float:
     """Relative L2 error of the first heads of batch 0 against float64 (BHSD or BSHD ``out``); NaN if not finite."""
     if out.shape != q.shape:
         out = out.transpose(1, 2)
@@ -114,7 +114,7 @@ def relative_error(q, k, v, out, *, causal_offset=None, max_heads: int = 2) -> f
     group = q.shape[1] // k.shape[1]
     kv_heads = slice(0, -(-heads // group))
     q, k, v = (t.detach() for t in (q, k, v))
-    ref, _ = dense_attention(q[:1, :heads], k[:1, kv_heads], v[:1, kv_heads], causal_offset=causal_offset)
+    ref, _ = dense_attention(q[:1, :heads], k[:1, kv_heads], v[:1, kv_heads], window=window_of(causal_offset, window))
     got = out[:1, :heads].detach().double()
     if not torch.isfinite(got).all():
         return float("nan")

@@ -22,7 +22,7 @@ from ..backends.triton.config import ForwardConfig
 from .. import dispatch
 from ..params import attention_params
 from ..tuning import lookup, store
-from ..tuning.autotune import TuningCase, best_of, measure_candidates, problem_for, winner_record
+from ..tuning.autotune import best_of, measure_candidates, problem_for, winner_record
 from ..tuning.key import ShapeKey, device_key, gpu_name
 from ..tuning.lookup import DEFAULTS_FORMAT, heuristic_config, shipped_config
 from ..tuning.space import DEFAULT_SHARED_MEMORY, SPACES, Problem
@@ -61,11 +61,15 @@ def hopper_candidates(case, dtype, device) -> list[HopperSchedule]:
     return list(HOPPER_CANDIDATES)
 
 
+def _params(case, dtype, device):
+    return lookup.params_of(device, dtype, case.head_dim, case.causal, case.q_heads, case.kv_heads, case.seqlen_q,
+                            case.seqlen_k, batch=case.batch)
+
+
 def _default_choice(shape: ShapeKey, case, dtype, device):
     """What a call of this key runs without the cache: a shipped Hopper schedule or portable config."""
     if shape.kernel == "fwd" and hopper_candidates(case, dtype, device):
-        params = TuningCase(case.batch, case.q_heads, case.kv_heads, case.seqlen_q, case.seqlen_k, case.head_dim,
-                            case.causal).params(dtype, device)
+        params = _params(case, dtype, device)
         from ..tuning.schedules import shipped_schedule
         from ..runtime import compute_capability, multiprocessors
 
@@ -142,10 +146,9 @@ def run_tune(args) -> int:
         task = progress.add_task("tuning", total=total)
         for shape, (case, candidates, heuristic, default) in plans.items():
             progress.update(task, description=case.label)
-            tuning_case = TuningCase(case.batch, case.q_heads, case.kv_heads, case.seqlen_q, case.seqlen_k,
-                                     case.head_dim, case.causal)
-            results = measure_candidates(shape.kernel, tuning_case, dtype, candidates,
-                                         on_result=lambda _: progress.advance(task), device=device)
+            with torch.cuda.device(device):
+                results = measure_candidates(shape.kernel, _params(case, dtype, device), candidates,
+                                             on_result=lambda _: progress.advance(task))
             by_config = {r["config"]: r for r in results}
             best = best_of(results)
             failed = [r for r in results if r["status"] != "ok"]

@@ -8,7 +8,6 @@ schedule through its launcher.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 from typing import Callable, NamedTuple
 
@@ -16,7 +15,7 @@ import torch
 
 from ..backends.triton.config import ForwardConfig, heuristic_backward_config, heuristic_forward_config
 from ..backends.triton.launch import launch_backward, launch_forward
-from ..params import AttentionOptions, AttentionParams
+from ..params import AttentionParams
 from ..testing import random_qkv, relative_error, time_ms
 from . import store
 from .key import ShapeKey, device_key
@@ -27,26 +26,10 @@ from .space import SPACES, Problem
 MAX_RELATIVE_ERROR = 2e-2
 
 
-@dataclasses.dataclass(frozen=True)
-class TuningCase:
-    """One key's problem: the shape timed and whether a causal mask applies."""
-
-    batch: int
-    q_heads: int
-    kv_heads: int
-    seqlen_q: int
-    seqlen_k: int
-    head_dim: int
-    causal: bool = False
-
-    def flops(self, kernel: str) -> float:
-        flops = 4.0 * self.batch * self.q_heads * self.seqlen_q * self.seqlen_k * self.head_dim
-        return flops * (0.5 if self.causal else 1.0) * (2.5 if kernel == "bwd" else 1.0)
-
-    def params(self, dtype: torch.dtype, device: torch.device) -> AttentionParams:
-        options = AttentionOptions(scale=self.head_dim ** -0.5, window_right=0 if self.causal else None)
-        return AttentionParams(self.batch, self.q_heads, self.kv_heads, self.seqlen_q, self.seqlen_k,
-                               self.head_dim, dtype, device, options)
+def attention_flops(kernel: str, params: AttentionParams) -> float:
+    """4·B·Hq·Sq·Sk·D, halved when causal, ×2.5 for the backward (the benchmark's convention)."""
+    flops = 4.0 * params.batch * params.q_heads * params.seqlen_q * params.seqlen_k * params.head_dim
+    return flops * (0.5 if params.causal else 1.0) * (2.5 if kernel == "bwd" else 1.0)
 
 
 def problem_for(device, dtype: torch.dtype, head_dim: int, seqlen_q: int, seqlen_k: int | None = None) -> Problem:
@@ -61,15 +44,14 @@ class Trial(NamedTuple):
     error: Callable[[object], float]
 
 
-def _inputs(case: TuningCase, dtype, device):
-    generator = torch.Generator(device=device).manual_seed(0)
-    return random_qkv(case.batch, case.q_heads, case.kv_heads, case.seqlen_q, case.seqlen_k, case.head_dim, dtype,
-                      device=device, generator=generator)
+def _inputs(params: AttentionParams):
+    generator = torch.Generator(device=params.device).manual_seed(0)
+    return random_qkv(params.batch, params.q_heads, params.kv_heads, params.seqlen_q, params.seqlen_k,
+                      params.head_dim, params.dtype, device=params.device, generator=generator)
 
 
-def _forward_trial(case: TuningCase, dtype: torch.dtype, device) -> Trial:
-    q, k, v = _inputs(case, dtype, device)
-    params = case.params(dtype, device)
+def _forward_trial(params: AttentionParams) -> Trial:
+    q, k, v = _inputs(params)
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     def run(config):
@@ -84,16 +66,16 @@ def _forward_trial(case: TuningCase, dtype: torch.dtype, device) -> Trial:
     def error(config):
         result = run(config)
         torch.cuda.synchronize()
-        return relative_error(q, k, v, result, causal_offset=case.seqlen_k - case.seqlen_q if case.causal else None)
+        return relative_error(q, k, v, result, window=params.window)
 
     return Trial(run, error)
 
 
-def _backward_trial(case: TuningCase, dtype: torch.dtype, device) -> Trial:
-    q, k, v = _inputs(case, dtype, device)
-    params = case.params(dtype, device)
+def _backward_trial(params: AttentionParams) -> Trial:
+    q, k, v = _inputs(params)
+    dtype = params.dtype
     out, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-    launch_forward(q, k, v, out, lse, params, heuristic_forward_config(case.head_dim, dtype, case.seqlen_q))
+    launch_forward(q, k, v, out, lse, params, heuristic_forward_config(params.head_dim, dtype, params.seqlen_q))
     dout = torch.randn_like(out)
 
     def run(config):
@@ -104,7 +86,7 @@ def _backward_trial(case: TuningCase, dtype: torch.dtype, device) -> Trial:
     # The heuristic's gradients are the reference: the GPU tests hold them to the float64 rule,
     # and a float64 autograd of long sequences would cost more than the whole search.
     try:
-        expected = run(heuristic_backward_config(case.head_dim, dtype))
+        expected = run(heuristic_backward_config(params.head_dim, dtype))
     except Exception as failure:  # then nothing can be checked: every candidate is recorded failed
         expected = failure
 
@@ -128,13 +110,12 @@ def _relative_l2(got: torch.Tensor, expected: torch.Tensor) -> float:
 TRIALS = {"fwd": _forward_trial, "bwd": _backward_trial}
 
 
-def measure_candidates(kernel: str, case: TuningCase, dtype: torch.dtype, candidates: list,
-                       on_result=None, device=None) -> list[dict]:
-    """One result per candidate: ``status`` ok / failed / wrong, TFLOP/s when ok."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+def measure_candidates(kernel: str, params: AttentionParams, candidates: list, on_result=None) -> list[dict]:
+    """One result per candidate of the ``kernel`` (fwd / bwd) key of ``params``: ``status`` ok / failed /
+    wrong, TFLOP/s when ok."""
     results = []
     with torch.no_grad():
-        trial = TRIALS[kernel](case, dtype, device)
+        trial = TRIALS[kernel](params)
         for config in candidates:
             result = {"config": config, "status": "ok"}
             try:
@@ -143,7 +124,7 @@ def measure_candidates(kernel: str, case: TuningCase, dtype: torch.dtype, candid
                     result.update(status="wrong", error=f"relative error {error:.3g}")
                 else:
                     ms, method = time_ms(lambda: trial.run(config))
-                    result.update(ms=ms, method=method, tflops=case.flops(kernel) / (ms * 1e-3) / 1e12, rel_err=error)
+                    result.update(ms=ms, method=method, tflops=attention_flops(kernel, params) / (ms * 1e-3) / 1e12, rel_err=error)
             except Exception as error:  # compile failure, out of resources, launch error: never chosen
                 result.update(status="failed", error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                               if str(error) else type(error).__name__)
@@ -168,13 +149,11 @@ def winner_record(best: dict) -> dict:
 
 def tune_and_store(kernel: str, params: AttentionParams) -> ForwardConfig | None:
     """``FMHA_AUTOTUNE=1``: search one key of the portable ``kernel`` on inputs of the call's shape, store the winner."""
-    case = TuningCase(params.batch, params.q_heads, params.kv_heads, params.seqlen_q, params.seqlen_k,
-                      params.head_dim, params.causal)
     device = params.device
     with torch.cuda.device(device):
         candidates = SPACES[kernel].candidates(problem_for(device, params.dtype, params.head_dim, params.seqlen_q,
                                                            params.seqlen_k))
-        best = best_of(measure_candidates(kernel, case, params.dtype, candidates, device=device))
+        best = best_of(measure_candidates(kernel, params, candidates))
         if best is None:
             return None
         shape = ShapeKey.of(kernel, params.dtype, params.head_dim, params.causal, params.q_heads, params.kv_heads,

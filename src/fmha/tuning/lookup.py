@@ -20,7 +20,7 @@ import torch
 
 from ..backends.gluon_sm90.schedule import HopperSchedule
 from ..backends.triton.config import BackwardConfig, ForwardConfig, heuristic_backward_config, heuristic_forward_config
-from ..params import AttentionParams
+from ..params import AttentionOptions, AttentionParams
 from ..runtime import compute_capability, multiprocessors
 from . import store
 from .autotune import tune_and_store
@@ -98,20 +98,19 @@ def _config(kernel: str, params: AttentionParams, autotune) -> tuple[ForwardConf
 def explain_forward_config(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k,
                            autotune: bool = False) -> tuple[ForwardConfig, str]:
     """``(config, source)`` of the portable forward with source ``cache``, ``shipped``, ``autotuned`` or ``heuristic``."""
-    return _resolve("fwd", _params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k),
+    return _resolve("fwd", params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k),
                     autotune)
 
 
 def explain_backward_config(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k,
                             autotune: bool = False) -> tuple[BackwardConfig, str]:
     """``(config, source)`` for the backward, as :func:`explain_forward_config`."""
-    return _resolve("bwd", _params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k),
+    return _resolve("bwd", params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k),
                     autotune)
 
 
-def _params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k, batch=1) -> AttentionParams:
-    from ..params import AttentionOptions
-
+def params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seqlen_k, batch=1) -> AttentionParams:
+    """The parameters of a default call of this shape (default scale, bottom-right causal)."""
     options = AttentionOptions(scale=head_dim ** -0.5, window_right=0 if causal else None)
     return AttentionParams(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, torch.device(device), options)
 
