@@ -166,14 +166,13 @@ def test_tma_needs_aligned_rows():
 
 def test_a_repeated_call_signature_reuses_its_prepared_forward():
     """The hot path: validation and dispatch run once per signature (shapes, strides, options)."""
-    from fmha import api, dispatch
+    from fmha import dispatch
 
-    api._prepared.clear()
-    dispatch._prepared.clear()
+    dispatch.forget()
     q, k, v = random_qkv(1, 2, 2, 20, 24, 16, torch.float16)
     first = fmha.attention(q, k, v, causal=True)
     second = fmha.attention(q, k, v, causal=True)
-    assert len(api._prepared) == 1 and len(dispatch._prepared) == 1
+    assert len(dispatch.signatures) == 1 and len(dispatch._prepared) == 1
     assert torch.equal(first, second)
     q2, k2, v2 = random_qkv(1, 2, 2, 20, 24, 16, torch.float16, layout="bshd")  # other strides: prepared anew
     assert_close_to_reference(fmha.attention(q2, k2, v2, causal=True), q2, k2, v2, causal_offset=4)

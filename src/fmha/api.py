@@ -41,12 +41,12 @@ Not yet supported (raise ``NotImplementedError``)
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import dispatch, ops
 from .params import attention_params, check_flag
-
-_prepared: dict = {}  # a call signature -> (validated params, prepared forward)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -85,7 +85,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
                deterministic.__class__, config, window, softcap, dropout_p, dropout_p.__class__,
                alibi_slopes is None and sinks is None and generator is None,
                (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
-        found = _prepared.get(key)
+        found = dispatch.signatures.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable arguments: the checks say why
         key = found = None
     if found is None:
@@ -94,7 +94,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
                                   generator=generator, deterministic=deterministic, config=config)
         found = (params, dispatch.prepared_forward(params, q, k, v))
         if key is not None:
-            _prepared[key] = found
+            dispatch.remember(dispatch.signatures, key, found)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = ops.forward_op(q, k, v, *found[0].options.op_args())
     else:
@@ -112,10 +112,10 @@ def explain(q, k, v, **kwargs) -> dispatch.Explanation:
     kwargs.pop("return_lse", None)
     params = attention_params("fmha.explain", q, k, v, **kwargs)
     explanation = dispatch.prepared_forward(params, q, k, v).explanation
-    backward, source = dispatch.BACKWARD_BACKEND.backward_config(params) if not params.empty else (None, "")
-    if backward is not None:
-        explanation.backward = f"triton {backward} (from {source})"
-    return explanation
+    if params.empty:
+        return explanation
+    backward, source = dispatch.BACKWARD_BACKEND.backward_config(params)
+    return dataclasses.replace(explanation, backward=f"triton {backward} (from {source})")
 
 
 def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False):

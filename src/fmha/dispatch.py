@@ -105,7 +105,18 @@ class PreparedForward:
         return out, lse
 
 
+# Prepared forwards by (params, strides, alignment), and the entry point's cache of raw call
+# signatures. Bounded: a server that sees ever new lengths starts over rather than growing.
+MAX_SIGNATURES = 4096
 _prepared: dict = {}
+signatures: dict = {}  # fmha.api.attention: call signature -> (params, PreparedForward)
+
+
+def remember(cache: dict, key, value):
+    if len(cache) >= MAX_SIGNATURES:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def prepared_forward(params: AttentionParams, q, k, v) -> PreparedForward:
@@ -113,7 +124,7 @@ def prepared_forward(params: AttentionParams, q, k, v) -> PreparedForward:
     key = (params, q.stride(), k.stride(), v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
     prepared = _prepared.get(key)
     if prepared is None:
-        prepared = _prepared[key] = PreparedForward(params, q, k, v)
+        prepared = remember(_prepared, key, PreparedForward(params, q, k, v))
     return prepared
 
 
@@ -132,5 +143,6 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None):
 
 
 def forget() -> None:
-    """Drop prepared forwards (after tuning data changed)."""
+    """Drop prepared forwards and call signatures (after tuning data changed)."""
     _prepared.clear()
+    signatures.clear()
