@@ -1,28 +1,34 @@
-"""Time the forward kernel's switches and tiles side by side with SDPA flash and cuDNN (GPU).
+"""Time the portable forward kernel's switches and tiles side by side with SDPA flash and cuDNN (GPU).
 
-Each variant is checked against SDPA flash's output before it is timed. Writes JSON rows
-and prints one table per case.
+Each variant is a ``KernelFeatures`` (folded scale, tensor descriptors, Triton's warp
+specialisation) with a ``ForwardConfig`` (the heuristic's, or a listed one), launched through
+``PortableForward``. It is checked against SDPA flash's output before it is timed. Writes JSON
+rows and prints one table per seeds/std case.
 
-    PYTHONPATH=src python benchmarks/forward_levers.py --out levers.json
+    PYTHONPATH=src python benchmarks/forward_levers.py --out levers.json [--only tma ...] [--head-dims 64]
 """
 
 import argparse
+import dataclasses
 import json
 import time
 
 import torch
-from triton.tools.disasm import get_sass
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
+from triton.tools.disasm import get_sass
 
+from fmha.backends.triton.config import ForwardConfig, KernelFeatures, heuristic_forward_config
+from fmha.backends.triton.launch import PortableForward
+from fmha.params import attention_params
+from fmha.testing import time_ms
 from fmha.tools.bench import cases, metrics
-from fmha.tools.bench.runner import environment, make_inputs, time_ms
-from fmha.config import ForwardConfig, KernelFeatures, heuristic_forward_config
-from fmha.launch import default_scale, launch_forward
+from fmha.tools.bench.runner import environment, make_inputs
 
 PLAIN = KernelFeatures(fused_scale=False)
 FUSED = KernelFeatures()
 TMA = KernelFeatures(tma=True)
+TMA_WS = KernelFeatures(tma=True, warp_specialize=True)
 
 
 def _tiles(config):
@@ -34,7 +40,7 @@ def variants(head_dim):
     yield "plain", PLAIN, None
     yield "fused_scale", FUSED, None
     yield "tma", TMA, None
-    yield "tma+ws", KernelFeatures(tma=True, warp_specialize=True), None
+    yield "tma+ws", TMA_WS, None
     if head_dim > 128:
         return
     for config in [ForwardConfig(128, 128, 8, 3), ForwardConfig(64, 64, 4, 3), ForwardConfig(64, 128, 4, 3)]:
@@ -43,7 +49,7 @@ def variants(head_dim):
     for config in [ForwardConfig(128, 64, 4, 2), ForwardConfig(128, 64, 4, 3), ForwardConfig(128, 128, 4, 2),
                    ForwardConfig(128, 128, 8, 3), ForwardConfig(64, 64, 4, 3),
                    ForwardConfig(64, 128, 4, 3)]:
-        yield f"tma+ws {_tiles(config)}", KernelFeatures(tma=True, warp_specialize=True), config
+        yield f"tma+ws {_tiles(config)}", TMA_WS, config
 
 
 def sdpa(backend, q, k, v, causal):
@@ -54,7 +60,7 @@ def sdpa(backend, q, k, v, causal):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="levers.json")
     parser.add_argument("--only", nargs="*", default=None, help="variant names to keep")
     parser.add_argument("--head-dims", type=int, nargs="*", default=None)
@@ -64,8 +70,7 @@ def main():
         if args.head_dims and case.head_dim not in args.head_dims:
             continue
         q, k, v = make_inputs(case, torch.bfloat16)
-        offset = case.seqlen_k - case.seqlen_q if case.causal else None
-        scale = default_scale(case.head_dim)
+        params = attention_params("forward_levers", q, k, v, causal=case.causal)
         peers = {"sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, case.causal),
                  "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, case.causal)}
         expected = peers["sdpa_flash"]().float()
@@ -79,11 +84,11 @@ def main():
             config = config or heuristic_forward_config(case.head_dim, q.dtype, case.seqlen_q)
             out = torch.full_like(q, float("nan"))
             lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+            forward = PortableForward(params, config, features)
 
             def run():
-                return launch_forward(q, k, v, out, lse, causal_offset=offset, scale=scale,
-                                      config=config, features=features)
-            row = {"variant": name, "features": features.__dict__, "config": config.__dict__}
+                return forward(q, k, v, out, lse)
+            row = {"variant": name, "features": dataclasses.asdict(features), "config": dataclasses.asdict(config)}
             try:
                 started = time.perf_counter()
                 compiled = run()

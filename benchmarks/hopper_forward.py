@@ -1,32 +1,43 @@
-"""The Gluon Hopper forward (fmha.kernels.forward_hopper): correctness first, then speed (GPU).
+"""The Gluon Hopper forward (fmha.backends.gluon_sm90): correctness first, then speed (GPU, sm_90).
 
-Checks the kernel against the float64 truth with the project's error rule on odd shapes, then
-times its tile variants beside the portable Triton kernel, SDPA flash and SDPA cuDNN on every
-seeds and std case. Writes JSON rows and prints one table per case.
+Checks a set of ``HopperSchedule`` variants against the float64 truth with the project's error
+rule on odd shapes, then times the schedules that matter at each case's head dim and causality
+beside the portable Triton kernel (heuristic tiles), SDPA flash and SDPA cuDNN on every seeds
+and std case. Writes JSON rows and prints one table per case.
 
-    PYTHONPATH=src python benchmarks/hopper_forward.py --out hopper.json
+    PYTHONPATH=src python benchmarks/hopper_forward.py --out hopper.json [--skip-check] [--rounds 3]
+        [--case B,H,S,D[,causal]] [--only "S1024 D64"]
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 from triton.tools.disasm import get_sass
 
+from fmha.backends.gluon_sm90.backend import HopperBackend
+from fmha.backends.gluon_sm90.launch import HopperForward
+from fmha.backends.gluon_sm90.schedule import HopperSchedule
+from fmha.backends.triton.config import heuristic_forward_config
+from fmha.backends.triton.launch import PortableForward
+from fmha.params import attention_params
+from fmha.testing import assert_close_to_reference, random_qkv, time_ms
 from fmha.tools.bench import cases, metrics
-from fmha.tools.bench.runner import environment, make_inputs, time_ms
-from fmha.config import heuristic_forward_config
-from fmha.launch import default_scale, launch_forward, launch_forward_hopper
+from fmha.tools.bench.runner import environment, make_inputs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.helpers import assert_close_to_reference, random_qkv  # noqa: E402
+
+def hopper_forward(params, schedule, q, k, v) -> HopperForward:
+    """The Gluon forward for this call and schedule (compiled here); raises if the backend refuses the call."""
+    reason = HopperBackend().refusal(params, q, k, v)
+    if reason is not None:
+        raise RuntimeError(f"the Hopper backend refuses this call: {reason}")
+    return HopperForward(params, schedule)
 
 
 def check_correctness(variants):
@@ -38,9 +49,9 @@ def check_correctness(variants):
         (8, 16, 4, 1000, 1000, 64, "bshd"), (4, 16, 16, 777, 1500, 128, "bhsd"),
     ]
     failures = 0
-    for (batch, hq, hkv, sq, sk, d, layout), causal, dtype, (name, options) in itertools.product(
+    for (batch, hq, hkv, sq, sk, d, layout), causal, dtype, (name, schedule) in itertools.product(
             shapes, [False, True], [torch.bfloat16, torch.float16], variants):
-        if not fits(options, d):
+        if not fits(schedule, d):
             continue
         generator = torch.Generator(device="cuda").manual_seed(sq * 7 + sk)
         q, k, v = random_qkv(batch, hq, hkv, sq, sk, d, dtype, device="cuda", layout=layout, generator=generator)
@@ -49,7 +60,8 @@ def check_correctness(variants):
         offset = sk - sq if causal else None
         label = f"{name} {dtype} B{batch} H{hq}/{hkv} {sq}x{sk} D{d} {layout} causal={causal}"
         try:
-            launch_forward_hopper(q, k, v, out, lse, causal_offset=offset, scale=default_scale(d), **options)
+            params = attention_params("hopper_forward", q, k, v, causal=causal)
+            hopper_forward(params, schedule, q, k, v)(q, k, v, out, lse)
             torch.cuda.synchronize()
             assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)
         except Exception as exc:
@@ -67,53 +79,53 @@ def sdpa(backend, q, k, v, causal):
 
 
 def variants_for(head_dim, causal):
-    """(name, launch_forward_hopper options): the default path's choices, then the alternatives."""
+    """(name, HopperSchedule): the shipped rules' choices for the std cases, then the alternatives."""
     if head_dim == 128:
-        default = [("grid", {"persistent": False}), ("persistent paired q2", {"persistent": True, "q_buffers": 2})] \
-            if causal else [("persistent", {"persistent": True}), ("persistent q2", {"persistent": True, "q_buffers": 2})]
+        default = [("grid", HopperSchedule(persistent=False)),
+                   ("persistent paired q2", HopperSchedule(q_buffers=2))] \
+            if causal else [("persistent", HopperSchedule()), ("persistent q2", HopperSchedule(q_buffers=2))]
         return default + [
-            ("1c n64 2 CTAs q2", {"consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 2}),
-            ("1c n64 2 CTAs q1", {"consumers": 1, "block_n": 64, "ctas_per_sm": 2}),
-            ("1c n64 2 CTAs grid", {"consumers": 1, "block_n": 64, "ctas_per_sm": 2, "persistent": False})]
-    emulated = {"emulated_exp2": 8}
+            ("1c n64 2 CTAs q2", HopperSchedule(consumers=1, block_n=64, q_buffers=2, ctas_per_sm=2)),
+            ("1c n64 2 CTAs q1", HopperSchedule(consumers=1, block_n=64, ctas_per_sm=2)),
+            ("1c n64 2 CTAs grid", HopperSchedule(consumers=1, block_n=64, ctas_per_sm=2, persistent=False))]
     if causal:
-        short = {"consumers": 1, "block_n": 64, "ctas_per_sm": 3}
+        short = dict(consumers=1, block_n=64, ctas_per_sm=3)
         return [
-            ("persistent paired q2", {"q_buffers": 2, **emulated}),
-            ("1c n64 3 CTAs", {**short, "q_buffers": 2, **emulated}),
-            ("1c n64 3 CTAs no FMA exp2", {**short, "q_buffers": 2}),
-            ("1c n64 3 CTAs q1", {**short, **emulated}),
-            ("1c n64 3 CTAs grid", {**short, "persistent": False, **emulated}),
-            ("1c n128 2 CTAs", {"consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, **emulated})]
+            ("persistent paired q2", HopperSchedule(q_buffers=2, emulated_exp2=8)),
+            ("1c n64 3 CTAs", HopperSchedule(**short, q_buffers=2, emulated_exp2=8)),
+            ("1c n64 3 CTAs no FMA exp2", HopperSchedule(**short, q_buffers=2)),
+            ("1c n64 3 CTAs q1", HopperSchedule(**short, emulated_exp2=8)),
+            ("1c n64 3 CTAs grid", HopperSchedule(**short, persistent=False, emulated_exp2=8)),
+            ("1c n128 2 CTAs", HopperSchedule(consumers=1, q_buffers=2, ctas_per_sm=2, emulated_exp2=8))]
     return [
-        ("emulated exp2 1/8 q2", {"q_buffers": 2, **emulated}),
-        ("1c n128 2 CTAs", {"consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, **emulated}),
-        ("1c n64 3 CTAs s3", {"consumers": 1, "block_n": 64, "stages": 3, "q_buffers": 2, "ctas_per_sm": 3,
-                              **emulated})]
+        ("emulated exp2 1/8 q2", HopperSchedule(q_buffers=2, emulated_exp2=8)),
+        ("1c n128 2 CTAs", HopperSchedule(consumers=1, q_buffers=2, ctas_per_sm=2, emulated_exp2=8)),
+        ("1c n64 3 CTAs s3", HopperSchedule(consumers=1, block_n=64, stages=3, q_buffers=2, ctas_per_sm=3,
+                                            emulated_exp2=8))]
 
 
 CHECKED_VARIANTS = [
-    ("persistent q2", {"persistent": True, "q_buffers": 2}),
-    ("persistent q2 exp2", {"persistent": True, "q_buffers": 2, "emulated_exp2": 8}),
-    ("grid", {"persistent": False}),
-    ("3 consumers", {"persistent": True, "consumers": 3, "block_n": 64, "stages": 3}),
-    ("1 consumer n128 2 CTAs", {"consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, "emulated_exp2": 8}),
-    ("1 consumer n64 2 CTAs", {"consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 2}),
-    ("1 consumer n64 3 CTAs", {"consumers": 1, "block_n": 64, "stages": 3, "q_buffers": 2, "ctas_per_sm": 3,
-                               "emulated_exp2": 8}),
+    ("persistent q2", HopperSchedule(q_buffers=2)),
+    ("persistent q2 exp2", HopperSchedule(q_buffers=2, emulated_exp2=8)),
+    ("grid", HopperSchedule(persistent=False)),
+    ("3 consumers", HopperSchedule(consumers=3, block_n=64, stages=3)),
+    ("1 consumer n128 2 CTAs", HopperSchedule(consumers=1, q_buffers=2, ctas_per_sm=2, emulated_exp2=8)),
+    ("1 consumer n64 2 CTAs", HopperSchedule(consumers=1, block_n=64, q_buffers=2, ctas_per_sm=2)),
+    ("1 consumer n64 3 CTAs", HopperSchedule(consumers=1, block_n=64, stages=3, q_buffers=2, ctas_per_sm=3,
+                                             emulated_exp2=8)),
 ]
 
 
-def fits(options, head_dim):
-    """Whether the registers and shared memory allow these options at this head dim."""
+def fits(schedule, head_dim):
+    """Whether the registers and shared memory allow this schedule at this head dim."""
     if head_dim == 64:
         return True
-    return options.get("consumers", 2) == 2 and options.get("ctas_per_sm", 1) == 1 or (
-        options.get("consumers") == 1 and options.get("block_n") == 64 and options.get("ctas_per_sm") == 2)
+    return schedule.consumers == 2 and schedule.ctas_per_sm == 1 or (
+        schedule.consumers == 1 and schedule.block_n == 64 and schedule.ctas_per_sm == 2)
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="hopper.json")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--rounds", type=int, default=1, help="timing rounds, variants interleaved; the median is kept")
@@ -130,42 +142,48 @@ def main():
         if not any(part in case.label for part in args.only):
             continue
         q, k, v = make_inputs(case, torch.bfloat16)
-        offset = case.seqlen_k - case.seqlen_q if case.causal else None
-        scale = default_scale(case.head_dim)
-        runs = {"sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, case.causal), None),
-                "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, case.causal), None)}
-        expected = runs["sdpa_flash"][0]().float()
+        params = attention_params("hopper_forward", q, k, v, causal=case.causal)
         out = torch.full_like(q, float("nan"))
         lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+        peers = {"sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, case.causal),
+                 "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, case.causal)}
+        expected = peers["sdpa_flash"]().float()
+        # Kernels are built (and compiled) inside the timing loop's error handling: (name, schedule, build).
         config = heuristic_forward_config(case.head_dim, q.dtype, case.seqlen_q)
-        runs["triton"] = (lambda: launch_forward(q, k, v, out, lse, causal_offset=offset, scale=scale,
-                                                 config=config), out)
-        for name, options in variants_for(case.head_dim, case.causal):
-            runs[name] = (lambda options=options: launch_forward_hopper(
-                q, k, v, out, lse, causal_offset=offset, scale=scale, **options), out)
-        rows = []
-        for name, (run, output) in runs.items():
+        kernels = [("triton", None, lambda: PortableForward(params, config))]
+        kernels += [(name, schedule, lambda schedule=schedule: hopper_forward(params, schedule, q, k, v))
+                    for name, schedule in variants_for(case.head_dim, case.causal)]
+        rows, runs = [], []
+        for name, run in peers.items():
+            rows.append({"variant": name, "tflops_rounds": []})
+            runs.append(run)
+        for name, schedule, build in kernels:
             row = {"variant": name}
+            if schedule is not None:
+                row["schedule"] = dataclasses.asdict(schedule)
+            run = None
             try:
-                if output is not None:
-                    output.fill_(float("nan"))
-                    started = time.perf_counter()
-                    compiled = run()
-                    torch.cuda.synchronize()
-                    row["compile_s"] = time.perf_counter() - started
-                    error = ((output.float() - expected).norm() / expected.norm()).item()
-                    row["error_vs_flash"] = error
-                    if not error < 1e-2:
-                        raise AssertionError(f"relative error {error:.2e} against SDPA flash")
-                    if case.seqlen_q == 4096 and compiled is not None:
-                        sass = get_sass(compiled.asm["cubin"])
-                        row["sass"] = {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "LDL", "STL", "MUFU.EX2")}
+                out.fill_(float("nan"))
+                started = time.perf_counter()
+                forward = build()
+                compiled = forward(q, k, v, out, lse)
+                torch.cuda.synchronize()
+                row["compile_s"] = time.perf_counter() - started
+                error = ((out.float() - expected).norm() / expected.norm()).item()
+                row["error_vs_flash"] = error
+                if not error < 1e-2:
+                    raise AssertionError(f"relative error {error:.2e} against SDPA flash")
+                if case.seqlen_q == 4096 and compiled is not None:
+                    sass = get_sass(compiled.asm["cubin"])
+                    row["sass"] = {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "LDL", "STL", "MUFU.EX2")}
                 row["tflops_rounds"] = []
+                run = lambda forward=forward: forward(q, k, v, out, lse)  # noqa: E731
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
+            runs.append(run)
         for _ in range(args.rounds):  # variants interleaved within each round
-            for row, (run, _output) in zip(rows, runs.values()):
+            for row, run in zip(rows, runs):
                 if "error" not in row:
                     row["ms"], row["method"] = time_ms(run)
                     row["tflops_rounds"].append(metrics.tflops(case, row["ms"]))

@@ -1,10 +1,14 @@
-"""Time the fused forward over a grid of tile configs on the std and seeds cases (GPU).
+"""Time the portable forward over a grid of tile configs on the seeds and std cases (GPU).
 
-Used to choose fmha.config's heuristic until the autotuner ships tuned defaults.
-    PYTHONPATH=src python benchmarks/sweep_forward.py --out sweep.json
+Each ``ForwardConfig`` runs through ``fmha.attention(..., config=config)`` (the portable Triton
+kernel with those tiles, on any GPU); prints the best config per case and writes every timing.
+Used to choose ``fmha.backends.triton.config.heuristic_forward_config``.
+
+    PYTHONPATH=src python benchmarks/sweep_forward.py --out sweep.json [--head-dims 64 128]
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 
@@ -24,7 +28,7 @@ def candidates(head_dim):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="sweep.json")
     parser.add_argument("--head-dims", type=int, nargs="*", default=None)
     args = parser.parse_args()
@@ -40,13 +44,17 @@ def main():
                 fn()
                 ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
             except Exception as error:  # out of resources and the like: recorded, skipped
-                results["rows"].append({"label": case.label, "config": config.__dict__, "error": str(error)[:100]})
+                results["rows"].append({"label": case.label, "config": dataclasses.asdict(config),
+                                        "error": str(error)[:100]})
                 continue
             tflops = metrics.tflops(case, ms)
-            results["rows"].append({"label": case.label, "config": config.__dict__, "tflops": tflops})
+            results["rows"].append({"label": case.label, "config": dataclasses.asdict(config), "tflops": tflops})
             if best is None or tflops > best[1]:
                 best = (config, tflops)
-        print(f"{case.label:<36} best {best[0]} {best[1]:.1f} TFLOP/s", flush=True)
+        if best is None:
+            print(f"{case.label:<36} no config ran", flush=True)
+        else:
+            print(f"{case.label:<36} best {best[0]} {best[1]:.1f} TFLOP/s", flush=True)
     with open(args.out, "w") as handle:
         json.dump(results, handle, indent=1)
 

@@ -1,4 +1,5 @@
-"""Gradients through the interpreter (CPU, fp16/fp32): against float64 autograd of the formula."""
+"""Gradients through the interpreter (CPU, fp16/fp32, and bf16 computed in fp32): against float64
+autograd of the formula."""
 
 import pytest
 import torch
@@ -33,6 +34,14 @@ def test_attention_gradients(dtype, shape):
     out = fmha.attention(q, k, v, causal=causal)
     grads, dout = grads_of(out, (q, k, v))
     assert_grads_close(grads, q, k, v, dout, causal_offset=seqlen_k - seqlen_q if causal else None)
+
+
+def test_bfloat16_gradients_on_the_cpu_are_right():
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 4, 2, 37, 29, 24, torch.bfloat16))
+    out = fmha.attention(q, k, v, causal=True)
+    grads, dout = grads_of(out, (q, k, v))
+    assert all(grad.dtype == torch.bfloat16 for grad in grads)
+    assert_grads_close(grads, q, k, v, dout, causal_offset=29 - 37)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

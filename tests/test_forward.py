@@ -1,6 +1,7 @@
 """Steps 2 and 3 on the CPU: the naive and fused kernels under Triton's interpreter.
 
-fp16 and fp32 only: under the interpreter, bf16 tl.dot multiplies raw bits.
+fp16 and fp32 throughout; bf16 once: under the interpreter, bf16 tl.dot multiplies raw bits, so
+bf16 calls compute in fp32 there and store bf16.
 """
 
 import math
@@ -44,6 +45,15 @@ def test_matches_float64_reference(implementation, causal, shape, dtype):
     q, k, v = random_qkv(*shape, dtype)
     out, lse = IMPLEMENTATIONS[implementation](q, k, v, causal=causal, return_lse=True)
     assert_close_to_reference(out, q, k, v, causal_offset=_offset(causal, seqlen_q, seqlen_k), lse=lse)
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_on_the_cpu_is_right(implementation, causal):
+    q, k, v = random_qkv(1, 4, 2, 37, 45, 40, torch.bfloat16)
+    out, lse = IMPLEMENTATIONS[implementation](q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == torch.bfloat16
+    assert_close_to_reference(out, q, k, v, causal_offset=_offset(causal, 37, 45), lse=lse)
 
 
 @pytest.mark.parametrize("config", [ForwardConfig(16, 32, 1, 1), ForwardConfig(32, 16, 1, 1),

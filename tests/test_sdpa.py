@@ -38,3 +38,39 @@ def test_five_dim_inputs():
     out = fmha.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert out.shape == q.shape
     torch.testing.assert_close(out, torch_sdpa(q, k, v, is_causal=True), atol=2e-6, rtol=1e-5)
+
+
+# (query shape, key/value shape): empty sequences, heads and batches, as 3-, 4- and 5-D inputs
+EMPTY = [((1, 2, 0, 8), (1, 2, 5, 8)), ((1, 2, 3, 8), (1, 2, 0, 8)), ((1, 0, 3, 8), (1, 0, 5, 8)),
+         ((0, 2, 3, 8), (0, 2, 5, 8)), ((2, 3, 8), (2, 0, 8)), ((2, 1, 0, 3, 8), (2, 1, 0, 5, 8)),
+         ((0, 1, 2, 3, 8), (0, 1, 2, 5, 8))]
+
+
+@pytest.mark.parametrize("shapes", EMPTY, ids=str)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_empty_inputs_match_torch(shapes, is_causal):
+    query_shape, key_shape = shapes
+    q = torch.randn(query_shape)
+    k, v = torch.randn(key_shape), torch.randn(key_shape)
+    out = fmha.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    torch.testing.assert_close(out, torch_sdpa(q, k, v, is_causal=is_causal), atol=0, rtol=0)
+
+
+def test_head_dim_zero_is_a_clear_error():
+    q = torch.randn(1, 2, 3, 0)
+    with pytest.raises(ValueError, match=r"head dim 0"):
+        fmha.scaled_dot_product_attention(q, q, q)
+
+
+@pytest.mark.parametrize("entry", ["attention", "scaled_dot_product_attention"])
+def test_meta_tensors_give_shapes_and_gradients(entry):
+    q = torch.randn(2, 4, 7, 16, device="meta", requires_grad=True)
+    k, v = (torch.randn(2, 2, 9, 16, device="meta", requires_grad=True) for _ in range(2))
+    kwargs = {"enable_gqa": True} if entry == "scaled_dot_product_attention" else {}
+    out = getattr(fmha, entry)(q, k, v, **kwargs)
+    assert out.device.type == "meta" and out.shape == q.shape
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    with torch.no_grad():
+        out, lse = fmha.attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 7) and lse.dtype == torch.float32

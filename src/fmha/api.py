@@ -112,7 +112,7 @@ def explain(q, k, v, **kwargs) -> dispatch.Explanation:
     kwargs.pop("return_lse", None)
     params = attention_params("fmha.explain", q, k, v, **kwargs)
     explanation = dispatch.prepared_forward(params, q, k, v).explanation
-    if params.empty:
+    if explanation.launch_free:
         return explanation
     backward, source = dispatch.BACKWARD_BACKEND.backward_config(params)
     return dataclasses.replace(explanation, backward=f"triton {backward} (from {source})")
@@ -164,8 +164,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                   f"value {tuple(value.shape[:-3])}")
     if query.ndim == 3:
         q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    elif query.ndim == 4:
+        q, k, v = query, key, value
     else:  # fold extra leading dims into the batch (a view for contiguous inputs)
-        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+        batch = query.shape[:-3].numel()
+        q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (query, key, value))
     params = attention_params(fn, q, k, v, causal=is_causal, scale=scale, dropout_p=dropout_p, top_left=True,
                               names=names)
     if q.shape[1] != k.shape[1] and not enable_gqa:

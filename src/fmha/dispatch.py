@@ -12,6 +12,7 @@ repeated call costs a dictionary lookup, two allocations and a launch.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ from .backends.gluon_sm90.backend import HopperBackend
 from .backends.naive.backend import NaiveBackend
 from .backends.triton.backend import TritonBackend
 from .params import AttentionParams
+from .runtime import KernelBuildError
 
 BACKENDS = {backend.name: backend for backend in (HopperBackend(), TritonBackend(), NaiveBackend())}
 FORWARD_ORDER = ("gluon_sm90", "triton")
@@ -36,6 +38,11 @@ class Explanation:
     refused: dict[str, str] = field(default_factory=dict)
     backward: str | None = None
 
+    @property
+    def launch_free(self) -> bool:
+        """Nothing runs: empty or meta inputs."""
+        return self.backend == "none"
+
     def __str__(self) -> str:
         config = self.config.text() if hasattr(self.config, "text") else self.config
         lines = [f"runs: {self.backend} ({BACKENDS[self.backend].description if self.backend in BACKENDS else ''})",
@@ -46,8 +53,19 @@ class Explanation:
         return "\n".join(lines)
 
 
-def choose_forward(params: AttentionParams, q, k, v) -> Explanation:
-    """The backend and config for this call, with every refusal on the way."""
+_warned_build_failures: set[str] = set()
+
+
+def choose_forward(params: AttentionParams, q, k, v, failed: dict[str, str] | None = None) -> Explanation:
+    """The backend and config for this call, with every refusal on the way.
+
+    ``failed``: backends whose kernel failed to build for this call (backend -> reason); they are
+    skipped, and each reason is warned about once per process.
+    """
+    for reason in (failed or {}).values():
+        if reason not in _warned_build_failures:
+            _warned_build_failures.add(reason)
+            warnings.warn(f"fmha: {reason}; the portable Triton kernel runs instead", RuntimeWarning, stacklevel=2)
     explicit = params.options.backend
     if explicit:
         backend = BACKENDS[explicit]
@@ -59,7 +77,7 @@ def choose_forward(params: AttentionParams, q, k, v) -> Explanation:
     refused = {}
     for name in FORWARD_ORDER:
         backend = BACKENDS[name]
-        reason = backend.refusal(params, q, k, v)
+        reason = failed[name] if failed and name in failed else backend.refusal(params, q, k, v)
         if reason is None:
             config, source = backend.forward_config(params)
             if config is not None:
@@ -81,12 +99,21 @@ class PreparedForward:
         self.device_index = params.device.index if params.device.type == "cuda" else None
         self.empty = params.empty
         self.no_keys = params.seqlen_k == 0
-        if self.empty or self.no_keys:
+        if params.device.type == "meta":  # shapes only (torch.compile's fakes, export, model sizing)
+            self.explanation = Explanation("none", None, "meta tensors: shapes only, nothing is launched")
+            self.launch, self.no_keys = None, False
+        elif self.empty or self.no_keys:
             self.explanation = Explanation("none", None, "empty input: nothing is launched")
             self.launch = None
         else:
             self.explanation = choose_forward(params, q, k, v)
-            self.launch = BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
+            try:
+                self.launch = BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
+            except KernelBuildError as error:
+                if params.options.backend:  # asked for by name: say so rather than run something else
+                    raise ValueError(f"fmha: config= asks for the {params.options.backend} backend: {error}") from None
+                self.explanation = choose_forward(params, q, k, v, failed={self.explanation.backend: str(error)})
+                self.launch = BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
 
     def __call__(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``; ``out`` keeps q's layout (BSHD stays BSHD) when q is dense."""
@@ -131,6 +158,8 @@ def prepared_forward(params: AttentionParams, q, k, v) -> PreparedForward:
 def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None):
     """``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (the portable backward)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if params.device.type == "meta":
+        return dq, dk, dv
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     index = params.device.index if params.device.type == "cuda" else None

@@ -145,15 +145,18 @@ def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
     head_dim = q.shape[3]
     if k.shape[3] != head_dim or v.shape[3] != head_dim:
         raise ValueError(f"{fn}: head dim mismatch: {qn} has {head_dim}, {kn} {k.shape[3]}, {vn} {v.shape[3]}")
+    if head_dim == 0:
+        raise ValueError(f"{fn}: {qn}, {kn} and {vn} have head dim 0 (their last dim); attention needs at least "
+                         "one feature per head")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head dim (last dim of {qn}) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
     if q.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(f"{fn}: {qn} is a CPU tensor, and fmha's kernels run on the GPU. To run them on "
                            "the CPU through Triton's interpreter, set TRITON_INTERPRET=1 before importing "
                            "triton or fmha.")
-    if q.device.type not in ("cuda", "cpu"):
+    if q.device.type not in ("cuda", "cpu", "meta"):
         raise ValueError(f"{fn}: {qn} is on device {q.device}; fmha runs on CUDA devices "
-                         "(or on the CPU under TRITON_INTERPRET=1)")
+                         "(or on the CPU under TRITON_INTERPRET=1, or on meta tensors for shapes only)")
 
 
 def check_scale(fn: str, scale, head_dim: int) -> float:

@@ -17,12 +17,16 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 @functools.lru_cache(maxsize=None)
 def gluon_unavailable() -> str | None:
     """Why the Gluon kernel cannot be built with this triton (None: it can)."""
+    import triton
+
+    from ...compat import GLUON_IMPORT_ERROR
+
+    if GLUON_IMPORT_ERROR is not None:
+        return f"Gluon's Hopper API is not importable with triton {triton.__version__} ({GLUON_IMPORT_ERROR})"
     try:
         from . import launch  # noqa: F401
     except ImportError as error:
-        import triton
-
-        return f"Gluon's Hopper API is not importable with triton {triton.__version__} ({error})"
+        return f"the Gluon forward does not import with triton {triton.__version__} ({error})"
     return None
 
 

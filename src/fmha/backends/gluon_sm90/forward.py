@@ -43,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ...compat import tma_load, tma_store
 from .masking import key_blocks, visible
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -207,7 +208,7 @@ def _load_partition(
             # A free barrier completes once per use; the first wait finds it free.
             mbarrier.wait(q_free.index(q_slot), q_phase ^ 1)
             mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, head, first_row + consumer * consumer_rows, 0],
+            tma_load(q_desc, [batch, head, first_row + consumer * consumer_rows, 0],
                                             q_ready.index(q_slot), q_smem.index(q_slot))
         for block in range(num_kv_blocks):
             position = ring_position + block
@@ -215,11 +216,11 @@ def _load_partition(
             free_phase = ((position // STAGES) & 1) ^ 1
             mbarrier.wait(k_free.index(slot), free_phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, block * BLOCK_N, 0],
+            tma_load(k_desc, [batch, kv_head, block * BLOCK_N, 0],
                                             k_ready.index(slot), k_smem.index(slot))
             mbarrier.wait(v_free.index(slot), free_phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, block * BLOCK_N, 0],
+            tma_load(v_desc, [batch, kv_head, block * BLOCK_N, 0],
                                             v_ready.index(slot), v_smem.index(slot))
         ring_position += num_kv_blocks
         tile_count += 1
@@ -368,7 +369,7 @@ def _consumer_partition(
         tma.store_wait(0)  # the previous tile's output has left the staging buffer
         o_smem.index(CONSUMER).reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], o_smem.index(CONSUMER))
+        tma_store(o_desc, [batch, head, row0, 0], o_smem.index(CONSUMER))
         ring_position += num_kv_blocks
         tile_count += 1
     tma.store_wait(0)

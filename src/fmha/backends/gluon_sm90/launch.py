@@ -7,10 +7,10 @@ import functools
 import torch
 import triton
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 
+from ...compat import COMPILE_OPTIONS, GluonASTSource, load_compiled
 from ...params import AttentionParams
-from ...runtime import multiprocessors, run_compiled
+from ...runtime import KernelBuildError, multiprocessors, run_compiled
 from ..triton.launch import descriptor_strides, window_bounds
 from ..triton.forward import LOG2_E
 from .forward import attention_forward_hopper_kernel, register_budget
@@ -63,19 +63,35 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
 def hopper_compile_options(schedule: HopperSchedule) -> dict:
     """Compile options of the Gluon forward: the launch register count lets ``ctas_per_sm`` CTAs
     share a multiprocessor (:func:`fmha.backends.gluon_sm90.forward.register_budget`)."""
-    return {"num_warps": 4, "maxnreg": register_budget(schedule.consumers, schedule.ctas_per_sm)[0]}
+    return {"num_warps": 4, "maxnreg": register_budget(schedule.consumers, schedule.ctas_per_sm)[0], **COMPILE_OPTIONS}
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
                             schedule: HopperSchedule):
-    """Compiled once per device and static configuration (Triton's disk cache still applies)."""
-    source, constants = hopper_forward_source(dtype, head_dim, causal, schedule)
-    with torch.cuda.device(device):
-        compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(),
-                                  options=hopper_compile_options(schedule))
-        compiled._init_handles()  # loads the module on this device
+    """Compiled once per device and static configuration (Triton's disk cache still applies).
+
+    A failed build is remembered too, and raises :class:`fmha.runtime.KernelBuildError` (the
+    dispatcher then falls back to the portable kernel) on every later request.
+    """
+    try:
+        source, constants = hopper_forward_source(dtype, head_dim, causal, schedule)
+        with torch.cuda.device(device):
+            compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(),
+                                      options=hopper_compile_options(schedule))
+            load_compiled(compiled)
+    except Exception as error:  # noqa: BLE001 - any compiler failure means: not this kernel
+        return KernelBuildError(f"the Gluon Hopper forward failed to build with triton {triton.__version__}: "
+                                f"{build_error_summary(error)}")
     return compiled, constants
+
+
+def build_error_summary(error: BaseException) -> str:
+    """The compiler's own message: the innermost cause's first line (Triton wraps it in context)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 class HopperForward:
@@ -87,8 +103,10 @@ class HopperForward:
         has_left, has_right, _, hi = window_bounds(params)
         assert not has_left, "the Hopper forward has no left window bound yet"
         self.schedule, self.device = schedule, params.device
-        compiled, constants = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right,
-                                                      schedule)
+        built = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right, schedule)
+        if isinstance(built, KernelBuildError):
+            raise built
+        compiled, constants = built
         self.compiled = compiled
         num_tiles = -(-params.seqlen_q // schedule.block_m) * params.batch * params.q_heads
         if not schedule.persistent:

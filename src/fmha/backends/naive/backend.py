@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
 from ...params import AttentionParams
+from ...runtime import Float32Forward, interpreter_upcasts
 
 
 class NaiveForward:
@@ -30,5 +35,7 @@ class NaiveBackend:
     def forward_config(self, params: AttentionParams):
         return None, "no tiles to tune"
 
-    def prepare_forward(self, params: AttentionParams, config) -> NaiveForward:
+    def prepare_forward(self, params: AttentionParams, config):
+        if interpreter_upcasts(params.dtype):
+            return Float32Forward(NaiveForward(dataclasses.replace(params, dtype=torch.float32)))
         return NaiveForward(params)

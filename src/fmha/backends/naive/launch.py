@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ...compat import COMPILE_OPTIONS
 from ...params import AttentionParams
 from ...runtime import INTERPRETED
 from ..triton.config import padded_head_dim
@@ -35,16 +36,16 @@ def launch_naive(q, k, v, out, lse, params: AttentionParams) -> list:
         q, k, scores, *q.stride(), *k.stride(),
         num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, params.options.scale,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block,
-        HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=precision,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=precision, **COMPILE_OPTIONS,
     )]
     softmax_block = min(NAIVE_SOFTMAX_BLOCK, triton.next_power_of_2(seqlen_k))
     compiled.append(softmax_kernel[(batch * num_q_heads * seqlen_q,)](
         scores, probs, inv_row_sum, lse, seqlen_k, BLOCK_N=softmax_block,
-        num_warps=4 if softmax_block >= 512 else 1,
+        num_warps=4 if softmax_block >= 512 else 1, **COMPILE_OPTIONS,
     ))
     compiled.append(pv_kernel[(triton.cdiv(seqlen_q, block), batch * num_q_heads)](
         probs, v, inv_row_sum, out, *v.stride(), *out.stride(),
         num_q_heads, group_size, seqlen_q, seqlen_k,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=precision,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=precision, **COMPILE_OPTIONS,
     ))
     return compiled

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import torch
+
 from ...params import AttentionParams
-from ...runtime import INTERPRETED
+from ...runtime import INTERPRETED, Float32Forward, interpreter_upcasts
 from ...tuning import lookup
 from .config import INTERPRETER_BACKWARD_CONFIG, INTERPRETER_FORWARD_CONFIG, BackwardConfig, ForwardConfig
 from .launch import PortableForward, launch_backward
@@ -28,7 +31,9 @@ class TritonBackend:
             return INTERPRETER_FORWARD_CONFIG, "pinned under the interpreter"
         return lookup.portable_config(params, autotune=os.environ.get("FMHA_AUTOTUNE") == "1")
 
-    def prepare_forward(self, params: AttentionParams, config: ForwardConfig) -> PortableForward:
+    def prepare_forward(self, params: AttentionParams, config: ForwardConfig):
+        if interpreter_upcasts(params.dtype):
+            return Float32Forward(PortableForward(dataclasses.replace(params, dtype=torch.float32), config))
         return PortableForward(params, config)
 
     def backward_config(self, params: AttentionParams) -> tuple[BackwardConfig, str]:
@@ -40,4 +45,11 @@ class TritonBackend:
                  config: BackwardConfig | None = None) -> None:
         if config is None:
             config, _ = self.backward_config(params)
+        if interpreter_upcasts(params.dtype):
+            grads = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (dq, dk, dv)]
+            launch_backward(q.float(), k.float(), v.float(), out.float(), dout.float(), lse, *grads,
+                            dataclasses.replace(params, dtype=torch.float32), config)
+            for grad, grad32 in zip((dq, dk, dv), grads):
+                grad.copy_(grad32)
+            return
         launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params, config)

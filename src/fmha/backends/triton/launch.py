@@ -13,6 +13,7 @@ import functools
 import torch
 import triton
 
+from ...compat import COMPILE_OPTIONS
 from ...params import AttentionParams
 from ...runtime import INTERPRETED, TensorDescriptor, multiprocessors, run_compiled
 from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel
@@ -111,7 +112,7 @@ class PortableForward:
             constants = {**constants, "USE_TMA": True}
         compiled = attention_forward_kernel[(self.grid,)](
             q, k, v, out, lse, *descriptors, *self.integers, self.qk_scale, **constants,
-            num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+            num_warps=self.config.num_warps, num_stages=self.config.num_stages, **COMPILE_OPTIONS)
         if not (INTERPRETED or use_tma):
             # Later calls of this signature launch it directly (same specialisation: the
             # signature fixes every integer, and the pointers' 16-byte alignment is in its key).
@@ -137,10 +138,11 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
     preprocess_block = 16 if INTERPRETED else 64
     backward_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_block), batch * num_q_heads)](
         out, dout, delta, *out.stride(), *dout.stride(), num_q_heads, seqlen_q,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block, **COMPILE_OPTIONS,
     )
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-                  DOT_PRECISION=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+                  DOT_PRECISION=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+                  **COMPILE_OPTIONS)
     group_size = num_q_heads // num_kv_heads
     # Each kernel keeps block_n rows resident (keys for dK/dV, queries for dQ) and streams
     # block_m rows of the other side past them.

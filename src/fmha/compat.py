@@ -1,0 +1,97 @@
+"""Every Triton API that fmha uses and Triton has renamed or keeps private, in one place.
+
+pyproject allows ``TRITON_OLDEST`` to ``TRITON_NEWEST``; CI builds the kernels with both ends.
+Each shim checks the installed version (or the attribute) once, at import.
+"""
+
+from __future__ import annotations
+
+import re
+
+import triton
+
+TRITON_OLDEST = (3, 6, 0)  # the first release whose Gluon has the Hopper API and warp_specialize form used here
+TRITON_NEWEST = (3, 9, 0)  # the newest release the kernels were built and tested with
+
+
+def _release(text: str) -> tuple[int, int, int]:
+    numbers = [int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
+TRITON_VERSION = _release(triton.__version__)
+
+
+def triton_version_problem() -> str | None:
+    """Why this triton is outside the verified range (None: it is inside)."""
+    if TRITON_VERSION < TRITON_OLDEST:
+        return f"triton {triton.__version__} is older than {'.'.join(map(str, TRITON_OLDEST))}, the oldest supported"
+    if TRITON_VERSION[:2] > TRITON_NEWEST[:2]:
+        return (f"triton {triton.__version__} is newer than {'.'.join(map(str, TRITON_NEWEST))}, "
+                "the newest verified")
+    return None
+
+
+# Options of every kernel build. FP fusion (a*b+c as one FMA) is what the kernels were measured
+# with; 3.9 warns when it is left to the default, which 3.10 turns off.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
+# --- the interpreter and host descriptors -------------------------------------------------------
+
+try:  # the class triton.jit returns when TRITON_INTERPRET=1 was set at import time
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # pragma: no cover - outside the supported range
+    InterpretedFunction = ()
+
+try:  # host-side TMA descriptors for tl.make_tensor_descriptor / descriptor arguments
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - outside the supported range: the portable forward keeps plain loads
+    TensorDescriptor = None
+
+
+# --- launching a compiled kernel directly --------------------------------------------------------
+
+def load_compiled(compiled) -> None:
+    """Load a compiled kernel's module on the current device (``CompiledKernel._init_handles``,
+    private; ``.run`` loads lazily when the method is missing)."""
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+
+
+def launch_hooks() -> tuple:
+    """Triton's launch enter and exit hooks (``triton.knobs.runtime``, a public knob since 3.4)."""
+    runtime = triton.knobs.runtime
+    return runtime.launch_enter_hook, runtime.launch_exit_hook
+
+
+def hooks_active(hook) -> bool:
+    """Whether a launch hook would call anything: since 3.6 the knob is a chain, empty by default."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return True if calls is None else bool(calls)
+
+
+# --- Gluon ----------------------------------------------------------------------------------------
+
+def _gluon():
+    """(GluonASTSource, tma_load, tma_store), or the ImportError that says why Gluon is unusable."""
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource  # private: the compile source of a Gluon kernel
+        from triton.experimental.gluon.language.nvidia.hopper import tma
+    except ImportError as error:
+        return error
+    # 3.8 renamed the bulk tensor copies (async_load / async_store); 3.9 removed the old names.
+    load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    return GluonASTSource, load, store
+
+
+_GLUON = _gluon()
+GLUON_IMPORT_ERROR = _GLUON if isinstance(_GLUON, ImportError) else None
+if GLUON_IMPORT_ERROR is None:
+    GluonASTSource, tma_load, tma_store = _GLUON
+else:
+    GluonASTSource = tma_load = tma_store = None
