@@ -155,3 +155,21 @@ def test_hopper_causal_pairs_cover_every_tile(head_dim, shape, schedule):
     out, lse = fmha.attention(q, k, v, causal=True, return_lse=True,
                               config=fmha.HopperSchedule(**HOPPER_SCHEDULES[schedule]))
     assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)
+
+
+# (batch, q heads, kv heads, Sq, Sk, head dim): decode shapes whose per-KV-head grid leaves the GPU idle
+SPLIT_KV_SHAPES = [(1, 32, 8, 1, 4096, 128), (8, 32, 8, 1, 2048, 128), (2, 16, 2, 4, 8192, 64),
+                   (1, 8, 1, 8, 3000, 256), (3, 12, 4, 2, 1000, 80)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SPLIT_KV_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_split_kv_decode_gpu(dtype, shape, causal):
+    from fmha.backends.triton.config import SplitKVConfig
+
+    q, k, v = random_qkv(*shape, dtype, device="cuda")
+    assert isinstance(fmha.explain(q, k, v, causal=causal).config, SplitKVConfig)
+    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
+    assert_close_to_reference(out, q, k, v, causal_offset=shape[4] - shape[3] if causal else None, lse=lse,
+                              atol=1e-5)

@@ -57,20 +57,20 @@ def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_properties(device).name
 
 
-def run_compiled(compiled, grid: int, device: torch.device, args: tuple) -> None:
+def run_compiled(compiled, grid: int | tuple[int, int, int], device: torch.device, args: tuple) -> None:
     """Launch a compiled kernel on the current stream; ``args`` are all its parameters in order.
 
     This skips the JIT's per-call work (binding arguments, computing their specialisation and
     hashing the cache key): the caller has already chosen the compiled kernel.
     """
+    grid = grid if grid.__class__ is tuple else (grid, 1, 1)
     stream = torch._C._cuda_getCurrentRawStream(device.index)  # what Triton's own launch asks for
     enter_hook, exit_hook = launch_hooks()
     if hooks_active(enter_hook) or hooks_active(exit_hook):  # a profiler listens: give it what Triton gives
-        metadata = compiled.launch_metadata((grid, 1, 1), stream, *args)
+        metadata = compiled.launch_metadata(grid, stream, *args)
     else:
         enter_hook = exit_hook = metadata = None
-    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
-                 enter_hook, exit_hook, *args)
+    compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata, enter_hook, exit_hook, *args)
 
 
 def interpreter_upcasts(dtype: torch.dtype) -> bool:

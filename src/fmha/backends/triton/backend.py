@@ -8,10 +8,11 @@ import os
 import torch
 
 from ...params import AttentionParams
-from ...runtime import INTERPRETED, Float32Forward, interpreter_upcasts
+from ...runtime import INTERPRETED, Float32Forward, interpreter_upcasts, multiprocessors
 from ...tuning import lookup
-from .config import INTERPRETER_BACKWARD_CONFIG, INTERPRETER_FORWARD_CONFIG, BackwardConfig, ForwardConfig
-from .launch import PortableForward, launch_backward
+from .config import (INTERPRETER_BACKWARD_CONFIG, INTERPRETER_FORWARD_CONFIG, BackwardConfig, ForwardConfig,
+                     SplitKVConfig, split_kv_config)
+from .launch import PortableForward, SplitKVForward, launch_backward
 
 
 class TritonBackend:
@@ -27,14 +28,18 @@ class TritonBackend:
     def forward_config(self, params: AttentionParams) -> tuple[ForwardConfig, str]:
         if params.options.backend == self.name:
             return ForwardConfig.from_ints(params.options.config), "explicit config="
+        split = split_kv_config(params, multiprocessors(params.device))
+        if split is not None:
+            return split, f"split-KV: {params.batch * params.kv_heads} KV heads for {multiprocessors(params.device)} multiprocessors"
         if INTERPRETED:
             return INTERPRETER_FORWARD_CONFIG, "pinned under the interpreter"
         return lookup.portable_config(params, autotune=os.environ.get("FMHA_AUTOTUNE") == "1")
 
-    def prepare_forward(self, params: AttentionParams, config: ForwardConfig):
+    def prepare_forward(self, params: AttentionParams, config: ForwardConfig | SplitKVConfig):
+        forward = SplitKVForward if isinstance(config, SplitKVConfig) else PortableForward
         if interpreter_upcasts(params.dtype):
-            return Float32Forward(PortableForward(dataclasses.replace(params, dtype=torch.float32), config))
-        return PortableForward(params, config)
+            return Float32Forward(forward(dataclasses.replace(params, dtype=torch.float32), config))
+        return forward(params, config)
 
     def backward_config(self, params: AttentionParams) -> tuple[BackwardConfig, str]:
         if INTERPRETED:

@@ -45,6 +45,42 @@ class ForwardConfig:
             raise ValueError(f"ForwardConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
+@dataclass(frozen=True)
+class SplitKVConfig:
+    """The split-KV forward (fmha.backends.triton.split_kv): BLOCK_M packed query rows (every query
+    head of a KV head), BLOCK_N keys per step, the keys cut into ``splits`` chunks."""
+
+    backend: ClassVar[str] = "triton"
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    splits: int
+
+    def text(self) -> str:
+        return f"split-KV: {self.splits} chunks, {self.block_m} packed rows x {self.block_n} keys, {self.num_warps} warps"
+
+
+def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
+    """The split-KV plan for a call whose per-KV-head grid leaves most multiprocessors idle, or None.
+
+    Decode-like calls only (all query rows of a KV head fit one 64-row tile); each chunk keeps at
+    least two key blocks, and the chunks bring the grid to about two programs per multiprocessor.
+    """
+    packed_rows = params.group * params.seqlen_q
+    if packed_rows > 64 or params.seqlen_k == 0:
+        return None
+    programs = params.batch * params.kv_heads
+    if 2 * programs > multiprocessors:
+        return None
+    block_d = padded_head_dim(params.head_dim)
+    block_n = 16 if multiprocessors < 8 else (64 if block_d <= 128 else 32)  # the interpreter: small tiles
+    splits = min(-(-2 * multiprocessors // programs), -(-params.seqlen_k // (2 * block_n)))
+    if splits < 2:
+        return None
+    return SplitKVConfig(max(16, triton.next_power_of_2(packed_rows)), block_n, 4, splits)
+
+
 class BackwardConfig(ForwardConfig):
     """Tiles of the backward kernels: ``block_n`` resident rows, ``block_m`` streamed rows.
 

@@ -17,8 +17,11 @@ from ...compat import COMPILE_OPTIONS
 from ...params import AttentionParams
 from ...runtime import INTERPRETED, TensorDescriptor, multiprocessors, run_compiled
 from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel
-from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatures, padded_head_dim
+from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatures, SplitKVConfig, padded_head_dim
 from .forward import LOG2_E, attention_forward_kernel
+from .split_kv import attention_split_kv_kernel, split_kv_combine_kernel
+
+SPLIT_KV_COMBINE_ROWS = 16
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -119,6 +122,58 @@ class PortableForward:
             assert attention_forward_kernel.arg_names[-len(constants):] == list(constants)
             self.compiled = compiled
         return compiled
+
+
+class SplitKVForward:
+    """The split-KV forward for one call signature: the chunk kernel, then the combine kernel.
+
+    Both compile through the JIT on the first call and launch directly afterwards.
+    """
+
+    __slots__ = ("params", "config", "chunk", "grid", "combine_grid", "constants", "integers", "compiled",
+                 "partial_shape")
+
+    def __init__(self, params: AttentionParams, config: SplitKVConfig):
+        has_left, has_right, lo, hi = window_bounds(params)
+        p = params
+        self.params, self.config = params, config
+        blocks = -(-p.seqlen_k // config.block_n)
+        self.chunk = -(-blocks // config.splits) * config.block_n
+        splits = -(-p.seqlen_k // self.chunk)
+        packed_blocks = -(-(p.group * p.seqlen_q) // config.block_m)
+        self.grid = (splits, p.batch * p.kv_heads, packed_blocks)
+        num_rows = p.batch * p.q_heads * p.seqlen_q
+        self.combine_grid = (-(-num_rows // SPLIT_KV_COMBINE_ROWS), 1, 1)
+        self.partial_shape = (splits, num_rows)
+        block_d = padded_head_dim(p.head_dim)
+        self.constants = (
+            dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype)),
+            dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS))
+        self.integers = ((num_rows, p.kv_heads, p.group, p.seqlen_q, p.seqlen_k, lo, hi,
+                          p.options.scale * LOG2_E, self.chunk), (num_rows, p.q_heads, p.seqlen_q, splits))
+        self.compiled = None
+
+    def __call__(self, q, k, v, out, lse):
+        splits, num_rows = self.partial_shape
+        partial_out = torch.empty((splits, num_rows, self.params.head_dim), device=q.device, dtype=torch.float32)
+        partial_lse = torch.empty((splits, num_rows), device=q.device, dtype=torch.float32)
+        chunk_args = (q, k, v, partial_out, partial_lse, *q.stride(), *k.stride(), *v.stride(), *self.integers[0])
+        combine_args = (partial_out, partial_lse, out, lse, *out.stride(), *self.integers[1])
+        if self.compiled is not None:
+            chunk_kernel, combine_kernel = self.compiled
+            run_compiled(chunk_kernel, self.grid, q.device, (*chunk_args, *self.constants[0].values()))
+            run_compiled(combine_kernel, self.combine_grid, q.device, (*combine_args, *self.constants[1].values()))
+            return chunk_kernel
+        chunk_kernel = attention_split_kv_kernel[self.grid](
+            *chunk_args, **self.constants[0], num_warps=self.config.num_warps, num_stages=2, **COMPILE_OPTIONS)
+        combine_kernel = split_kv_combine_kernel[self.combine_grid](
+            *combine_args, **self.constants[1], num_warps=4, num_stages=1, **COMPILE_OPTIONS)
+        if not INTERPRETED:
+            assert attention_split_kv_kernel.arg_names[-len(self.constants[0]):] == list(self.constants[0])
+            assert split_kv_combine_kernel.arg_names[-len(self.constants[1]):] == list(self.constants[1])
+            self.compiled = (chunk_kernel, combine_kernel)
+        return chunk_kernel
 
 
 def launch_forward(q, k, v, out, lse, params: AttentionParams, config: ForwardConfig,

@@ -1,0 +1,124 @@
+"""The forward for grids too small to fill the GPU (decode: a few query rows, many keys).
+
+The per-tile forward runs one program per (query block, batch, query head): with one query row
+and 32 heads that is 32 programs streaming all keys each, on a 132-multiprocessor H100. Here:
+
+* the query rows of every head that shares a key/value head are packed into one tile (GQA:
+  ``group * Sq`` rows), so K and V are read once per KV head, not once per query head;
+* the keys are cut into ``num_splits`` chunks of whole blocks, one program per (chunk, batch,
+  KV head): each writes its chunk's normalised output and log-sum-exp in float32;
+* :func:`split_kv_combine_kernel` merges the chunks of each row: weights ``2^(lse_s - max)``,
+  the exact softmax over all keys. A row that sees no key in a chunk gives LSE -inf there, and
+  zeros and LSE -inf if it sees none at all.
+
+The key window is :mod:`fmha.backends.triton.masking`'s rule, applied to each packed row's own
+query position; chunks outside a tile's window run no blocks.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import load_rows
+from .forward import LN_2, _softmax_update
+from .masking import visible
+
+
+@triton.jit
+def attention_split_kv_kernel(
+    Q, K, V, PartialOut, PartialLse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    num_rows, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, chunk,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (split, batch * KV head, packed block): ``PartialOut[split, b, h, i]`` and
+    ``PartialLse[split, b, h, i]`` (log2 units) over keys [split * chunk, (split + 1) * chunk)."""
+    split = tl.program_id(0)
+    batch = tl.program_id(1) // num_kv_heads
+    kv_head = tl.program_id(1) % num_kv_heads
+    packed = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of the (group, Sq) matrix
+    in_range = packed < group_size * seqlen_q
+    head = kv_head * group_size + packed // seqlen_q
+    rows = packed % seqlen_q  # each packed row's query position
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_in_range = offs_d[None, :] < HEAD_DIM
+
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head[:, None].to(tl.int64) * stride_qh
+                + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=in_range[:, None] & d_in_range, other=0.0)  # [BLOCK_M, BLOCK_D]
+    k_ptrs = (K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+              + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+    v_ptrs = (V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+              + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+
+    # This chunk, narrowed to the keys that some row of the tile sees (chunks are whole blocks).
+    kv_start = split * chunk
+    kv_end = tl.minimum(kv_start + chunk, seqlen_k)
+    if HAS_RIGHT:
+        kv_end = tl.minimum(kv_end, tl.max(tl.where(in_range, rows, 0)) + hi + 1)
+    if HAS_LEFT:
+        first_seen = tl.maximum(tl.min(tl.where(in_range, rows, seqlen_q)) + lo, 0) // BLOCK_N * BLOCK_N
+        kv_start = tl.maximum(kv_start, first_seen)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        keys = start_n + offs_n
+        k = load_rows(k_ptrs + start_n * stride_kn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        raw_scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        v = load_rows(v_ptrs + start_n * stride_vn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+        acc, row_sum, row_max = _softmax_update(
+            acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_k, lo, hi, qk_scale,
+            True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, False)
+
+    seen = row_sum > 0.0
+    row_sum_safe = tl.where(seen, row_sum, 1.0)
+    out = acc / row_sum_safe[:, None]
+    lse = tl.where(seen, row_max + tl.math.log2(row_sum_safe), float("-inf"))
+    # (split, batch, head, row) flattened: rows of one split are [0, num_rows)
+    index = split.to(tl.int64) * num_rows + (batch * num_kv_heads * group_size + head) * seqlen_q + rows
+    tl.store(PartialOut + index[:, None] * HEAD_DIM + offs_d[None, :], out, mask=in_range[:, None] & d_in_range)
+    tl.store(PartialLse + index, lse, mask=in_range)
+
+
+@triton.jit
+def split_kv_combine_kernel(
+    PartialOut, PartialLse, Out, Lse,
+    stride_ob, stride_oh, stride_om, stride_od,
+    num_rows, num_q_heads, seqlen_q, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    """Rows (batch, head, i) flattened: the exact softmax over all chunks, into Out and Lse."""
+    index = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_range = index < num_rows
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+    row_max = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
+    for split in range(num_splits):
+        lse = tl.load(PartialLse + split * num_rows + index, mask=in_range, other=float("-inf"))
+        row_max = tl.maximum(row_max, lse)
+    max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
+    total = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    for split in range(num_splits):
+        weight = tl.math.exp2(tl.load(PartialLse + split * num_rows + index, mask=in_range,
+                                      other=float("-inf")) - max_safe)
+        part = tl.load(PartialOut + (split * num_rows + index)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                       mask=mask, other=0.0)
+        total += weight
+        acc += weight[:, None] * part
+
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    lse = tl.where(seen, (max_safe + tl.math.log2(tl.where(seen, total, 1.0))) * LN_2, float("-inf"))
+    batch = index // (num_q_heads * seqlen_q)
+    head = index // seqlen_q % num_q_heads
+    row = index % seqlen_q
+    tl.store(Out + batch[:, None].to(tl.int64) * stride_ob + head[:, None].to(tl.int64) * stride_oh
+             + row[:, None] * stride_om + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Lse + index, lse, mask=in_range)
