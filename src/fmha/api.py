@@ -15,9 +15,13 @@ Supported
   config comes from, and why the other backends refused.
 * dtypes float16 and bfloat16; float32 as a slow exact path.
 * Head dims 1 to 256, including non-powers of two (40, 80, 96, 192...).
-* Any Sq, Sk >= 1; empty batch, heads or sequences return empty (or zero) results.
+* Any Sq, Sk >= 1; empty batch, heads or sequences return empty (or zero) results, as torch's
+  SDPA does (also through ``scaled_dot_product_attention`` with 3-D to 5-D inputs).
 * CUDA tensors, and CPU tensors when ``TRITON_INTERPRET=1`` was set before import
-  (the same Triton kernels, run by Triton's interpreter).
+  (the same Triton kernels, run by Triton's interpreter; bfloat16 computes in float32 there,
+  because the interpreter's bfloat16 ``tl.dot`` is wrong, and is stored as bfloat16).
+* Meta tensors: shapes and dtypes only, forward and backward (what ``torch.compile`` and
+  ``torch.export`` trace with); nothing is launched.
 * ``return_lse``: natural-log log-sum-exp, float32, shape (B, Hq, Sq); not differentiable.
 * Backward: ``attention`` and ``scaled_dot_product_attention`` are differentiable in q, k
   and v (every case above). Gradients are deterministic: no atomics are used.
@@ -26,7 +30,11 @@ Supported
 * Kernels (``fmha.dispatch``): on Hopper (sm_90), fp16/bf16 forwards with D = 64 or 128 run a
   warp-specialised Gluon kernel where the shipped tuning data (``fmha.tuning.schedules``) or the
   ``fmha tune`` cache picks one of its schedules; every other call, and every other GPU, runs the
-  portable Triton kernel with tuned tiles. Both give the same results within the error rule.
+  portable Triton kernel with tuned tiles. Decode-like calls (all query rows of a KV head fit
+  one 64-row tile, and the KV heads fill less than half the GPU) run the split-KV forward: keys
+  cut into chunks across the GPU, merged by their LSE. All give the same results within the
+  error rule. A Hopper kernel that fails to compile (a triton outside the verified 3.6.0-3.9.0)
+  falls back to the portable kernel with one warning.
   ``config=`` takes a ``ForwardConfig`` (the portable kernel's tiles) or a ``HopperSchedule``.
 
 Not yet supported (raise ``NotImplementedError``)
