@@ -13,7 +13,7 @@ for round in 1 2; do
 done
 PYTHONPATH=.baseline/src python3 -m fmha.cli bench --suite seeds std --providers fmha_tuned sdpa_flash sdpa_cudnn \
   --out "$out/bench_old" > "$out/bench_old.log" 2>&1
-PYTHONPATH=src python3 -m fmha.tools.cli bench --suite seeds std --providers fmha_tuned sdpa_flash sdpa_cudnn \
+PYTHONPATH=src python3 -m fmha.tools.cli bench --suite seeds std --providers fmha sdpa_flash sdpa_cudnn \
   --out "$out/bench_new" > "$out/bench_new.log" 2>&1
 PYTHONPATH=src python3 benchmarks/compare_bench.py "$out/bench_old/bench.json" "$out/bench_new/bench.json" | tee "$out/bench_compare.txt"
 mkdir -p "$out/pack" && cp "$out"/host_*.txt "$out/bench_compare.txt" "$out/foundation_env.txt" "$out/pack/" \

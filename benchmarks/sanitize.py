@@ -5,7 +5,8 @@
 
 Families: ``hopper`` (the Gluon forward, D 64 and 128, causal and not, GQA, odd lengths, each
 schedule shape: one, two and three consumers), ``portable`` (the Triton forward and backward, odd
-lengths, GQA, D 40 and 128), ``naive`` (step 2's three kernels), and two minimal Gluon kernels:
+lengths, GQA, D 40 and 128), ``split_kv`` (the decode forward and its combine kernel), ``naive``
+(step 2's three kernels), and two minimal Gluon kernels:
 ``ws_minimal`` only warp-specialises (one worker; then the Hopper forward's shape: two workers,
 setmaxnreg, a captured value) with no shared memory of its own, so its racecheck report shows
 Triton's own hand-over of work to the partitions apart from the attention kernel's
@@ -89,6 +90,14 @@ def portable():
             print(f"portable backward D{head_dim} causal={causal}: gradients finite={finite}", flush=True)
 
 
+def split_kv():
+    for shape, causal in (((1, 32, 8, 1, 1000, 128), False), ((2, 8, 2, 3, 517, 64), True)):
+        q, k, v = _inputs(*shape)
+        assert type(fmha.explain(q, k, v, causal=causal).config).__name__ == "SplitKVConfig"
+        out = fmha.attention(q, k, v, causal=causal)
+        _check(f"split_kv {shape} causal={causal}", out, q, k, v, causal)
+
+
 def naive():
     q, k, v = _inputs(1, 4, 2, 77, 131, 64)
     with torch.no_grad():
@@ -166,7 +175,7 @@ def tma_store_minimal():
     print(f"tma_store_minimal: {'ok' if torch.equal(out, expected) else 'WRONG'}", flush=True)
 
 
-FAMILIES = {"hopper": hopper, "portable": portable, "naive": naive, "ws_minimal": ws_minimal,
+FAMILIES = {"hopper": hopper, "portable": portable, "split_kv": split_kv, "naive": naive, "ws_minimal": ws_minimal,
             "tma_store_minimal": tma_store_minimal}
 
 

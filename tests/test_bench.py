@@ -62,8 +62,67 @@ def test_suites_and_modes():
     assert custom == [Case(2, 8, 2, 100, 300, 80, True)]
     with pytest.raises(ValueError, match="mode"):
         suite_cases(["seeds"], modes=("bwd!",))
-    with pytest.raises(ValueError, match="--shape"):
-        parse_shape("1,2,3")
+    assert suite_cases([], modes=("fwd", "bwd"), shapes=[parse_shape("1,4,2,64,64,32")]) == [
+        Case(1, 4, 2, 64, 64, 32, mode="fwd"), Case(1, 4, 2, 64, 64, 32, mode="bwd")]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1,2,3", "has 3 fields"),
+    ("1,2,2,8,8,8,causal,x", "has 8 fields"),
+    ("1,2,2,8,8.5,8", "must be integers"),
+    ("1,6,4,128,128,64", "Hq must be a multiple of Hkv"),
+    ("1,2,2,8,8,300", "D must be 1..256"),
+    ("1,2,2,8,8,0", "D must be a positive integer"),
+    ("0,2,2,8,8,64", "B must be a positive integer"),
+    ("1,2,2,-8,8,64", "Sq must be a positive integer"),
+    ("1,2,2,8,8,64,casual", "'causal' or 'full'"),
+])
+def test_parse_shape_rejects_impossible_shapes_naming_the_form(text, message):
+    with pytest.raises(ValueError, match=message) as error:
+        parse_shape(text)
+    assert text in str(error.value)
+    if "7th field" not in str(error.value):
+        assert "B,Hq,Hkv,Sq,Sk,D[,causal]" in str(error.value)
+
+
+def test_parse_shape_reads_the_causal_field_and_round_trips():
+    assert parse_shape("2,8,2,100,300,80") == Case(2, 8, 2, 100, 300, 80)
+    assert parse_shape(" 2, 8, 2, 100, 300, 80, Causal ").causal is True
+    assert parse_shape("2,8,2,100,300,80,full").causal is False
+    for case in suite_cases(["seeds", "std", "decode"]):
+        assert parse_shape(case.shape_text) == Case(**{**case.to_dict(), "per_head": False})
+
+
+def test_cases_validate_themselves():
+    with pytest.raises(ValueError, match="Hq must be a multiple of Hkv"):
+        Case(1, 3, 2, 8, 8, 8)
+    with pytest.raises(ValueError, match="mode"):
+        Case(1, 2, 2, 8, 8, 8, mode="backward")
+
+
+def test_fmha_rows_come_first_and_the_headline_is_the_default_path():
+    from fmha.tools.bench.peers import FMHA_PROVIDERS, PEERS
+
+    assert FMHA_PROVIDERS == ("fmha", "naive", "triton_heuristic", "triton_tuned")
+    assert list(PEERS)[:4] == list(FMHA_PROVIDERS)
+    assert "default path" in PEERS["fmha"].description
+    assert not any(PEERS[name].is_fmha for name in ("sdpa_flash", "sdpa_cudnn", "flex", "fa3"))
+
+
+def test_summary_ratios_are_the_headline_rows():
+    from fmha.tools.bench.runner import summarize
+
+    case = {"per_head": True}
+    rows = [{"label": "c", "provider": "fmha", "tflops": 400.0, "backend": "gluon_sm90", "case": case,
+             "us_per_head": 1.5},
+            {"label": "c", "provider": "triton_heuristic", "tflops": 300.0, "backend": "triton", "case": case},
+            {"label": "c", "provider": "naive", "tflops": 50.0, "case": case},
+            {"label": "c", "provider": "sdpa_cudnn", "tflops": 500.0, "case": case},
+            {"label": "c", "provider": "sdpa_flash", "tflops": 250.0, "case": case}]
+    (line,) = summarize(rows)
+    assert line["best_peer"] == "sdpa_cudnn" and line["fmha_backend"] == "gluon_sm90"
+    assert line["fmha/sdpa_cudnn"] == pytest.approx(0.8) and line["fmha/sdpa_flash"] == pytest.approx(1.6)
+    assert line["fmha/naive"] == pytest.approx(8.0) and line["fmha_us_per_head"] == 1.5
 
 
 def test_fixture_results_follow_the_schema():
@@ -72,16 +131,19 @@ def test_fixture_results_follow_the_schema():
     assert payload["environment"]["device"].startswith("NVIDIA H100")
 
 
+def _first(payload, ok: bool) -> dict:
+    return next(row for row in payload["rows"] if (row["status"] == "ok") == ok)
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda p: p.pop("rows"), "rows"),
     (lambda p: p["environment"].pop("triton"), "triton"),
     (lambda p: p.update(schema="other/9"), "schema"),
-    (lambda p: p["rows"][0].pop("tflops"), "tflops"),
-    (lambda p: p["rows"][1].pop("error"), "no error"),
+    (lambda p: _first(p, ok=True).pop("tflops"), "tflops"),
+    (lambda p: _first(p, ok=False).pop("error"), "no error"),
 ])
 def test_schema_violations_are_named(damage, message):
     payload = copy.deepcopy(json.loads(FIXTURE.read_text()))
-    assert payload["rows"][0]["status"] == "ok" and payload["rows"][1]["status"] != "ok"
     damage(payload)
     with pytest.raises(ValueError, match=message):
         validate_results(payload)

@@ -163,7 +163,7 @@ SPLIT_KV_SHAPES = [(1, 32, 8, 1, 4096, 128), (8, 32, 8, 1, 2048, 128), (2, 16, 2
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", SPLIT_KV_SHAPES, ids=str)
+@pytest.mark.parametrize("shape", SPLIT_KV_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_split_kv_decode_gpu(dtype, shape, causal):
     from fmha.backends.triton.config import SplitKVConfig

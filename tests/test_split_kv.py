@@ -29,8 +29,8 @@ def run_split_kv(q, k, v, config, *, left=None, right=None, top_left=False):
     (2, 8, 2, 1, 77, 32),    # decode, GQA 4: eight packed rows per KV head
     (1, 4, 4, 3, 50, 24),    # MHA, three query rows, D not a power of two
     (1, 6, 1, 2, 33, 16),    # MQA, twelve packed rows
-], ids=str)
-@pytest.mark.parametrize("window", [(None, None), (None, 0), (7, 0), (5, 3)], ids=str)
+], ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("window", [(None, None), (None, 0), (7, 0), (5, 3)], ids=["full", "causal", "left7", "left5right3"])
 @pytest.mark.parametrize("splits", [2, 5])
 def test_matches_float64_reference(dtype, shape, window, splits):
     batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
@@ -77,7 +77,8 @@ def test_the_plan_only_takes_underfilled_decode_grids():
 
     decode = split_kv_config(params(1, 32, 8, 1, 4096), 132)
     assert decode is not None and decode.block_m == 16 and 8 * decode.splits >= 132
-    assert split_kv_config(params(8, 32, 8, 1, 2048), 132) is not None  # 64 KV heads: half the GPU
-    assert split_kv_config(params(32, 32, 8, 1, 2048), 132) is None  # 256 KV heads fill it
+    assert split_kv_config(params(8, 32, 8, 1, 2048), 132).splits == 5  # 64 KV heads: half the GPU
+    assert split_kv_config(params(64, 32, 8, 1, 2048), 132).splits == 1  # the GPU is full: packing only
+    assert split_kv_config(params(64, 32, 32, 1, 2048), 132) is None  # and MHA gains nothing
     assert split_kv_config(params(1, 32, 8, 1024, 1024), 132) is None  # prefill
-    assert split_kv_config(params(1, 32, 8, 1, 64), 132) is None  # too few keys to split
+    assert split_kv_config(params(1, 32, 32, 1, 64), 132) is None  # too few keys to split, MHA

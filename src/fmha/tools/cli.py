@@ -1,4 +1,4 @@
-"""The ``fmha`` command: ``info``, ``bench`` and ``report``.
+"""The ``fmha`` command: ``info``, ``bench``, ``report`` and ``tune``.
 
 ``fmha report`` on a machine without CUDA runs the kernels through Triton's interpreter,
 which must be chosen before triton is imported: the command re-executes itself with
@@ -65,34 +65,136 @@ def info_lines() -> list[str]:
     return lines
 
 
+# Options that ``fmha report`` cannot honour without a GPU (it then runs one tiny fixed shape).
+INTERPRETER_IGNORES = ("--suite", "--shape", "--mode", "--dtype", "--providers", "--memory-check")
+
+
+def shape_argument(text: str):
+    """argparse ``type`` of ``--shape``: every command parses and validates shapes here."""
+    from fmha.tools.bench.cases import parse_shape
+
+    try:
+        return parse_shape(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _suite_epilog() -> list[str]:
+    from fmha.tools.bench.cases import SHAPE_EXAMPLE, SHAPE_FORM, suite_lines
+
+    return (["suites (--suite):"] + [f"  {line}" for line in suite_lines()]
+            + [f"--shape {SHAPE_FORM}, e.g. {SHAPE_EXAMPLE}: one case (repeat for more); it replaces the",
+               "  default suites unless --suite is given too. Hq must be a multiple of Hkv, D within 1..256."])
+
+
+def _provider_epilog() -> list[str]:
+    from fmha.tools.bench.peers import provider_lines
+
+    return ["providers (--providers), fmha's own rows first; `fmha` is the headline:"] + [
+        f"  {line}" for line in provider_lines()]
+
+
+def listing(command: str) -> list[str]:
+    """``--list``: every suite with its cases (as --shape takes them), and the providers."""
+    from fmha.tools.bench.cases import SUITES, suite_lines
+
+    lines = ["suites (--suite):"]
+    for function, line in zip(SUITES.values(), suite_lines()):
+        lines.append(f"  {line}")
+        lines += [f"    {case.label:<32} --shape {case.shape_text}" for case in function()]
+    if command != "tune":
+        lines += _provider_epilog()
+    return lines
+
+
+def _add_case_options(parser: argparse.ArgumentParser, default_suites: list[str], listed: str) -> None:
+    from fmha.tools.bench.cases import SHAPE_FORM, SUITES
+
+    parser.set_defaults(default_suites=default_suites)
+    parser.add_argument("--suite", nargs="*", default=None, choices=sorted(SUITES), metavar="SUITE",
+                        help=f"named sets of cases, listed below (default: {' '.join(default_suites)}; none when "
+                             "--shape is given; a bare --suite selects none)")
+    parser.add_argument("--shape", action="append", default=None, type=shape_argument, metavar=SHAPE_FORM,
+                        help="a custom case (repeat for more); replaces the default suites")
+    parser.add_argument("--list", action="store_true", help=f"print {listed}, then exit")
+
+
 def _add_run_options(parser: argparse.ArgumentParser, default_suites: list[str]) -> None:
-    from fmha.tools.bench.cases import MODES, SUITES
+    from fmha.tools.bench.cases import MODES
     from fmha.tools.bench.peers import PEERS
 
-    parser.add_argument("--suite", nargs="*", default=default_suites, choices=sorted(SUITES),
-                        help=f"benchmark suites (default: {' '.join(default_suites)})")
-    parser.add_argument("--shape", action="append", default=[], metavar="B,Hq,Hkv,Sq,Sk,D[,causal]",
-                        help="a custom case; repeat for more")
-    parser.add_argument("--mode", nargs="+", default=["fwd"], choices=MODES,
-                        help="fwd, and fwdbwd (forward + backward) where the provider has a backward")
-    parser.add_argument("--providers", nargs="+", default=list(PEERS), choices=list(PEERS))
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    parser.add_argument("--memory-check", action="store_true", help="also run S = 131072, B = H = 1, D = 128")
+    _add_case_options(parser, default_suites, "every suite's cases and the providers")
+    parser.add_argument("--mode", nargs="+", default=None, choices=MODES,
+                        help="what is timed: fwd (default), bwd (the backward of one saved forward), fwdbwd "
+                             "(forward + backward); a provider without a backward says so")
+    parser.add_argument("--providers", nargs="+", default=None, choices=list(PEERS), metavar="NAME",
+                        help="which rows to time, listed below (default: all)")
+    parser.add_argument("--dtype", default=None, choices=["bf16", "fp16"], help="input dtype (default: bf16)")
+    parser.add_argument("--memory-check", action="store_true",
+                        help="also time one fmha.attention call at S = 131072, B = H = 1, D = 128 and report its "
+                             "peak extra memory")
     parser.add_argument("--out", default="fmha-results", help="output directory (default: fmha-results)")
 
 
 def _add_tune_options(parser: argparse.ArgumentParser) -> None:
-    from fmha.tools.bench.cases import SUITES
-
-    parser.add_argument("--suite", nargs="*", default=["seeds", "std"], choices=sorted(SUITES))
-    parser.add_argument("--shape", action="append", default=[], metavar="B,Hq,Hkv,Sq,Sk,D[,causal]")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    _add_case_options(parser, ["seeds", "std"], "every suite's cases")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype (default: bf16)")
     parser.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "all"],
                         help="tune the forward, the backward or both (each has its own keys; default: fwd)")
     parser.add_argument("--dry-run", action="store_true", help="list the candidates after pruning, time nothing")
     parser.add_argument("--write-defaults", metavar="PATH",
                         help="also merge the winners into a shipped-defaults JSON (for maintainers)")
-    parser.add_argument("--out", default=None, help="directory for tune.json with every candidate's timing")
+    parser.add_argument("--out", default=None, help="directory for tune.json with every candidate's timing "
+                                                    "(default: none written)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="fmha", description="fused multi-head attention in Triton: the "
+                                     "engineering ladder, benchmarks against the peers, tuning",
+                                     epilog="`fmha COMMAND --help` lists a command's options, suites and providers.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("info", help="versions, GPU and available peers", description="versions, GPU and which "
+                        "peers this machine could time")
+    bench = commands.add_parser(
+        "bench", help="time fmha and the peers (GPU) into bench.json", formatter_class=raw,
+        description="Time every provider on every case and write bench.json (needs a CUDA GPU).",
+        epilog="\n".join(_suite_epilog() + _provider_epilog()))
+    _add_run_options(bench, ["seeds", "std"])
+    report = commands.add_parser(
+        "report", help="the engineering ladder and the peers as report.md + plots", formatter_class=raw,
+        description="The ladder (steps 1-5) and the peers: report.md, PNG plots and results.json. Without a GPU "
+                    "fmha's rows run through Triton's interpreter at one tiny fixed shape, and "
+                    f"{', '.join(INTERPRETER_IGNORES)} are ignored (a note names those given).",
+        epilog="\n".join(_suite_epilog() + _provider_epilog()))
+    _add_run_options(report, ["seeds"])
+    tune = commands.add_parser(
+        "tune", help="search kernel configs per key and store the best (GPU)", formatter_class=raw,
+        description="Time the portable kernel's tile configs (and, on sm_90, the Hopper schedules) for each "
+                    "tuning key of the cases, and store the winners in the cache (needs a CUDA GPU; "
+                    "--dry-run does not).",
+        epilog="\n".join(_suite_epilog()))
+    _add_tune_options(tune)
+    return parser
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """Parse, then fill the defaults that depend on what was given (``--shape`` replaces the default suites)."""
+    args = build_parser().parse_args(argv)
+    if args.command == "info":
+        return args
+    if args.command in ("bench", "report"):
+        from fmha.tools.bench.peers import PEERS
+
+        args.explicit = [option for option in INTERPRETER_IGNORES
+                         if getattr(args, option[2:].replace("-", "_")) not in (None, False)]
+        args.mode = args.mode or ["fwd"]
+        args.providers = args.providers or list(PEERS)
+        args.dtype = args.dtype or "bf16"
+    if args.suite is None:
+        args.suite = [] if args.shape else list(args.default_suites)
+    args.shape = args.shape or []
+    return args
 
 
 def main(argv=None) -> int:
@@ -105,21 +207,17 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available() and not INTERPRETED:
             env = {**os.environ, "TRITON_INTERPRET": "1"}
             os.execve(sys.executable, [sys.executable, "-m", "fmha", *argv], env)
-    parser = argparse.ArgumentParser(prog="fmha", description="fused multi-head attention in Triton")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="versions, GPU and available peers")
-    _add_run_options(commands.add_parser("bench", help="time fmha and the peers (GPU)"), ["seeds", "std"])
-    _add_run_options(commands.add_parser("report", help="the engineering ladder as report.md + plots"), ["seeds"])
-    tune = commands.add_parser("tune", help="search tile configs per key and store the best (GPU)")
-    _add_tune_options(tune)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    if args.command == "info":
+        print("\n".join(info_lines()))
+        return 0
+    if args.list:
+        print("\n".join(listing(args.command)))
+        return 0
     if args.command == "tune":
         from fmha.tools.tune import run_tune
 
         return run_tune(args)
-    if args.command == "info":
-        print("\n".join(info_lines()))
-        return 0
     from fmha.tools.report.command import run_bench, run_report
 
     return run_bench(args) if args.command == "bench" else run_report(args)

@@ -27,6 +27,8 @@ from ..tuning.key import ShapeKey, device_key, gpu_name
 from ..tuning.lookup import DEFAULTS_FORMAT, heuristic_config, shipped_config
 from ..tuning.space import DEFAULT_SHARED_MEMORY, SPACES, Problem
 from .bench.cases import suite_cases
+from .bench.peers import config_text as _config_text
+from .console import make_console
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 KERNEL_CHOICES = {"fwd": ("fwd",), "bwd": ("bwd",), "all": ("fwd", "bwd")}
@@ -43,14 +45,6 @@ HOPPER_CANDIDATES = (
 )
 
 
-def _config_text(config) -> str:
-    if config is None:
-        return "—"
-    if isinstance(config, HopperSchedule):
-        return config.text()
-    return f"{config.block_m}×{config.block_n} w{config.num_warps} s{config.num_stages}"
-
-
 def hopper_candidates(case, dtype, device) -> list[HopperSchedule]:
     """The Hopper schedules for a forward key where the Gluon backend can run it (none elsewhere)."""
     q = torch.empty(case.batch, case.q_heads, case.seqlen_q, case.head_dim, device=device, dtype=dtype)
@@ -58,7 +52,8 @@ def hopper_candidates(case, dtype, device) -> list[HopperSchedule]:
     params = attention_params("fmha tune", q, k, k, causal=case.causal)
     if HopperBackend().refusal(params, q, k, k) is not None:
         return []
-    return list(HOPPER_CANDIDATES)
+    # Three CTAs per multiprocessor leave too few registers for D = 128 (ptxas: "Insufficient registers").
+    return [schedule for schedule in HOPPER_CANDIDATES if schedule.ctas_per_sm < 3 or case.head_dim <= 64]
 
 
 def _params(case, dtype, device):
@@ -114,7 +109,7 @@ def dry_run(args, console: Console) -> int:
 
 
 def run_tune(args) -> int:
-    console = Console()
+    console = make_console()
     if args.dry_run:
         return dry_run(args, console)
     if not torch.cuda.is_available():
@@ -201,8 +196,8 @@ def _save(args, device, records: dict, report: list, seconds: float) -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        payload = {"environment": environment(), "dtype": args.dtype, "suites": args.suite, "seconds": seconds,
-                   "keys": report}
+        payload = {"environment": environment(), "dtype": args.dtype, "suites": args.suite,
+                   "shapes": [case.shape_text for case in args.shape], "seconds": seconds, "keys": report}
         (out / "tune.json").write_text(json.dumps(payload, indent=1) + "\n")
 
 

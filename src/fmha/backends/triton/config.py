@@ -62,23 +62,23 @@ class SplitKVConfig:
 
 
 def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
-    """The split-KV plan for a call whose per-KV-head grid leaves most multiprocessors idle, or None.
+    """The split-KV plan for a decode-like call, or None.
 
-    Decode-like calls only (all query rows of a KV head fit one 64-row tile); each chunk keeps at
-    least two key blocks, and the chunks bring the grid to about two programs per multiprocessor.
+    Decode-like: all query rows of a KV head fit one 64-row tile, so K and V are read once per
+    KV head for all its query heads. The chunks bring the grid to about two programs per
+    multiprocessor, each chunk at least two key blocks; a call that needs neither the chunks (its
+    KV heads fill the GPU) nor the packing (one query head per KV head) keeps the per-tile forward.
     """
     packed_rows = params.group * params.seqlen_q
     if packed_rows > 64 or params.seqlen_k == 0:
         return None
     programs = params.batch * params.kv_heads
-    if 2 * programs > multiprocessors:
-        return None
     block_d = padded_head_dim(params.head_dim)
     block_n = 16 if multiprocessors < 8 else (64 if block_d <= 128 else 32)  # the interpreter: small tiles
     splits = min(-(-2 * multiprocessors // programs), -(-params.seqlen_k // (2 * block_n)))
-    if splits < 2:
+    if splits < 2 and params.group == 1:
         return None
-    return SplitKVConfig(max(16, triton.next_power_of_2(packed_rows)), block_n, 4, splits)
+    return SplitKVConfig(max(16, triton.next_power_of_2(packed_rows)), block_n, 4, max(splits, 1))
 
 
 class BackwardConfig(ForwardConfig):

@@ -31,6 +31,7 @@ class PeerUnavailable(Exception):
 class Prepared:
     run: Callable[[], torch.Tensor]
     inputs: tuple[torch.Tensor, ...]
+    kernel: dict | None = None  # fmha's rows: backend, config, config_source (and the backward's config)
 
 
 @dataclass(frozen=True)
@@ -45,32 +46,68 @@ def _scores(case: Case) -> int:
     return case.batch * case.q_heads * case.seqlen_q * case.seqlen_k
 
 
-def _fmha_fused(case, q, k, v):
-    """Step 3: the fused kernel with the heuristic config, whatever has been tuned."""
+def config_text(config) -> str:
+    """A kernel choice as one short string: ``128×64 w8 s3`` or ``HopperSchedule(...)``."""
+    if config is None:
+        return "—"
+    if hasattr(config, "text"):
+        return config.text()
+    return f"{config.block_m}×{config.block_n} w{config.num_warps} s{config.num_stages}"
+
+
+def _kernel(backend: str, config, source: str, explanation=None, case: Case | None = None) -> dict:
+    """What an fmha row runs: the backend, its config and where that config came from."""
+    kernel = {"backend": backend, "config": config_text(config), "config_source": source}
+    if case is not None and case.mode != "fwd" and explanation is not None and explanation.backward:
+        kernel["backward"] = explanation.backward
+    return kernel
+
+
+def _fmha_default(case, q, k, v):
+    """The headline: exactly what ``fmha.attention(q, k, v, causal=...)`` runs for this call."""
+    explanation = fmha.explain(q, k, v, causal=case.causal)
+    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal), (q, k, v),
+                    _kernel(explanation.backend, explanation.config, explanation.source, explanation, case))
+
+
+def _triton_heuristic(case, q, k, v):
+    """Step 3: the portable Triton kernel with the heuristic tiles, whatever has been tuned."""
     from fmha.backends.triton.config import heuristic_forward_config
 
     config = heuristic_forward_config(case.head_dim, q.dtype, case.seqlen_q)
-    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal, config=config), (q, k, v))
+    explanation = fmha.explain(q, k, v, causal=case.causal, config=config)
+    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal, config=config), (q, k, v),
+                    _kernel("triton", config, "heuristic", explanation, case))
 
 
-def _fmha_naive(case, q, k, v):
+def _triton_tuned(case, q, k, v):
+    """Step 4: the portable Triton kernel with the tiles the tuning data picks for this call (the
+    ``fmha tune`` cache or the shipped defaults, never a search), narrowed as the default path narrows them."""
+    from fmha.params import attention_params
+    from fmha.runtime import INTERPRETED
+    from fmha.tuning.lookup import portable_config
+
+    if INTERPRETED:
+        raise PeerUnavailable("Triton's interpreter does not autotune; row fmha shows what fmha.attention runs there")
+    config, source = portable_config(attention_params("fmha bench", q, k, v, causal=case.causal), autotune=False)
+    if source.startswith("heuristic"):
+        raise PeerUnavailable("not tuned: no tuned tiles for this GPU and key (`fmha tune` stores them)")
+    explanation = fmha.explain(q, k, v, causal=case.causal, config=config)
+    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal, config=config), (q, k, v),
+                    _kernel("triton", config, source, explanation, case))
+
+
+def _naive(case, q, k, v):
+    """Step 2: three kernels with S and P in global memory."""
     if case.mode != "fwd":
         raise PeerUnavailable("the naive baseline is forward only")
-    needed = _scores(case) * (4 + q.element_size())
-    free, _ = torch.cuda.mem_get_info(q.device)
-    if needed > 0.8 * free:
-        raise PeerUnavailable(f"needs {needed / 2**30:.1f} GiB for S and P, {free / 2**30:.1f} GiB free")
-    return Prepared(lambda: fmha.naive_attention(q, k, v, causal=case.causal), (q, k, v))
-
-
-def _fmha_tuned(case, q, k, v):
-    """Step 4: what ``fmha.attention`` runs by default: on Hopper, the warp-specialised Gluon kernel
-    where the tuning data picks one of its schedules; otherwise the tuned config (on-disk cache or
-    shipped defaults, never a search), narrowed when its grid would not fill the GPU."""
-    explanation = fmha.explain(q, k, v, causal=case.causal)
-    if explanation.backend == "triton" and explanation.source.startswith("heuristic"):
-        raise PeerUnavailable("not tuned: no tuned config for this GPU and shape (run `fmha tune`)")
-    return Prepared(lambda: fmha.attention(q, k, v, causal=case.causal), (q, k, v))
+    if q.is_cuda:
+        needed = _scores(case) * (4 + q.element_size())
+        free, _ = torch.cuda.mem_get_info(q.device)
+        if needed > 0.8 * free:
+            raise PeerUnavailable(f"needs {needed / 2**30:.1f} GiB for S and P, {free / 2**30:.1f} GiB free")
+    return Prepared(lambda: fmha.naive_attention(q, k, v, causal=case.causal), (q, k, v),
+                    _kernel("naive", None, "no config: S and P materialised"))
 
 
 def _sdpa(backend_name: str):
@@ -153,12 +190,18 @@ def _flash_attn_package(module_name: str, function_name: str = "flash_attn_func"
     return prepare
 
 
+# fmha's rows first: the headline (the default path), then the ladder's steps 2-4; then the peers.
 PEERS: dict[str, Peer] = {
     peer.name: peer
     for peer in (
-        Peer("fmha", "fmha fused forward, heuristic config (step 3)", _fmha_fused, is_fmha=True),
-        Peer("fmha_tuned", "fmha default path: tuned config, or the Hopper kernel on sm_90 (step 4)", _fmha_tuned, is_fmha=True),
-        Peer("naive", "fmha materialising baseline (step 2)", _fmha_naive, is_fmha=True),
+        Peer("fmha", "fmha.attention as a user calls it (the default path): on Hopper the Gluon kernel "
+                     "with a tuned schedule, elsewhere the portable Triton kernel with tuned tiles", _fmha_default,
+             is_fmha=True),
+        Peer("naive", "step 2: fmha.naive_attention, S and P written to HBM (forward only)", _naive, is_fmha=True),
+        Peer("triton_heuristic", "step 3: the portable Triton kernel with heuristic tiles", _triton_heuristic,
+             is_fmha=True),
+        Peer("triton_tuned", "step 4: the portable Triton kernel with tuned tiles (fmha tune cache or shipped "
+                             "defaults)", _triton_tuned, is_fmha=True),
         Peer("sdpa_flash", "SDPA FLASH_ATTENTION (FlashAttention-2)", _sdpa("FLASH_ATTENTION")),
         Peer("sdpa_cudnn", "SDPA CUDNN_ATTENTION", _sdpa("CUDNN_ATTENTION")),
         Peer("sdpa_efficient", "SDPA EFFICIENT_ATTENTION (memory-efficient kernels)", _sdpa("EFFICIENT_ATTENTION")),
@@ -169,3 +212,9 @@ PEERS: dict[str, Peer] = {
         Peer("fa4", "flash_attn.cute (FlashAttention-4)", _flash_attn_package("flash_attn.cute")),
     )
 }
+FMHA_PROVIDERS = tuple(name for name, peer in PEERS.items() if peer.is_fmha)
+
+
+def provider_lines() -> list[str]:
+    """One line per provider: its name and what it runs."""
+    return [f"{name:<16} {peer.description}" for name, peer in PEERS.items()]

@@ -114,6 +114,7 @@ def run_case(case: Case, providers: list[str], dtype: torch.dtype, limits: metri
                "dtype": str(dtype).removeprefix("torch."), "status": "ok"}
         try:
             prepared = PEERS[name].prepare(case, q, k, v)
+            row.update(prepared.kernel or {})
             if case.mode == "fwd":
                 with torch.no_grad():
                     out = prepared.run()
@@ -173,7 +174,7 @@ def memory_check(seqlen: int = 131072, head_dim: int = 128, dtype=torch.bfloat16
 
 
 def summarize(rows: list[dict], against=("sdpa_flash", "sdpa_cudnn")) -> list[dict]:
-    """One line per case: each provider's TFLOP/s, fmha's ratios, and the best peer."""
+    """One line per case: each provider's TFLOP/s, the headline ``fmha`` row's ratios, and the best peer."""
     by_case: dict[str, dict[str, dict]] = {}
     for row in rows:
         by_case.setdefault(row["label"], {})[row["provider"]] = row
@@ -182,18 +183,20 @@ def summarize(rows: list[dict], against=("sdpa_flash", "sdpa_cudnn")) -> list[di
         line = {"label": label}
         for name, row in providers.items():
             line[name] = row.get("tflops")
+        headline = providers.get("fmha", {})
+        line["fmha_backend"] = headline.get("backend")
         peers = {name: row["tflops"] for name, row in providers.items()
                  if row.get("tflops") and not PEERS[name].is_fmha}
         if peers:
             line["best_peer"] = max(peers, key=peers.get)
-        fused = providers.get("fmha", {}).get("tflops")
+        fused = headline.get("tflops")
         for peer in (*against, "best_peer"):
             peer_tflops = peers.get(line.get("best_peer")) if peer == "best_peer" else providers.get(peer, {}).get("tflops")
             line[f"fmha/{peer}"] = fused / peer_tflops if fused and peer_tflops else None
         naive = providers.get("naive", {}).get("tflops")
         line["fmha/naive"] = fused / naive if fused and naive else None
-        if providers.get("fmha", {}).get("case", {}).get("per_head"):
-            line["fmha_us_per_head"] = providers["fmha"].get("us_per_head")
+        if headline.get("case", {}).get("per_head"):
+            line["fmha_us_per_head"] = headline.get("us_per_head")
         summary.append(line)
     return summary
 

@@ -1,7 +1,7 @@
 """Run the engineering ladder (and the peers) and return one results payload.
 
-Step 1 checks the invariant in NumPy on the CPU. Steps 2-4 and the peers run on the GPU;
-without one, steps 2 and 3 run through Triton's interpreter at one tiny shape.
+Step 1 checks the invariant in NumPy on the CPU. Steps 2-5 and the peers run on the GPU;
+without one, fmha's rows run through Triton's interpreter at one tiny shape.
 """
 
 from __future__ import annotations
@@ -14,16 +14,22 @@ import torch
 import fmha
 from fmha.tools.bench import metrics
 from fmha.tools.bench.cases import Case
-from fmha.tools.bench.peers import PEERS
+from fmha.tools.bench.peers import PEERS, PeerUnavailable
 from fmha.tools.bench.runner import RESULTS_SCHEMA, environment, relative_error, run_case, summarize
 
+# (step, row, what it runs). The last step is the headline the report compares with the peers.
 STEPS = (
     ("1", "invariant", "NumPy float64: blockwise online softmax vs direct softmax (CPU)"),
     ("2", "naive", "3 Triton kernels: S = QKᵀ and P = softmax(S) written to HBM, then PV"),
-    ("3", "fmha", "1 fused Triton kernel: online softmax, K/V loop, causal block skipping; heuristic config"),
-    ("4", "fmha_tuned", "the fused kernel with the autotuned config"),
+    ("3", "triton_heuristic", "the portable fused Triton kernel (online softmax, K/V loop, causal block "
+                              "skipping) with heuristic tiles"),
+    ("4", "triton_tuned", "the portable fused kernel with tuned tiles (the `fmha tune` cache or the shipped "
+                          "defaults)"),
+    ("5", "fmha", "the default path, exactly what `fmha.attention(q, k, v, causal=...)` runs: on Hopper the "
+                  "warp-specialised Gluon kernel with a tuned schedule, elsewhere the portable kernel with tuned "
+                  "tiles"),
 )
-LADDER_PROVIDERS = ("naive", "fmha", "fmha_tuned")
+LADDER_PROVIDERS = tuple(provider for _, provider, _ in STEPS[1:])
 INVARIANT_SHAPE = (1, 4, 2, 256, 320, 64)  # B, Hq, Hkv, Sq, Sk, D: GQA, Sk not a block multiple
 INTERPRETER_CASE = Case(1, 2, 2, 64, 64, 32)
 
@@ -60,7 +66,7 @@ def run_ladder_gpu(cases: list[Case], providers: list[str], dtype: torch.dtype, 
     for case in cases:
         case_rows = run_case(case, providers, dtype, limits=limits, on_row=on_row)
         rows += case_rows
-        if case.mode == "fwd" and "fmha" in providers:
+        if case.mode == "fwd" and any(PEERS[name].is_fmha for name in providers):
             naive_ok = any(r["provider"] == "naive" and r["status"] == "ok" for r in case_rows)
             q, k, v = make_inputs(case, dtype)
             try:
@@ -76,31 +82,34 @@ def run_ladder_gpu(cases: list[Case], providers: list[str], dtype: torch.dtype, 
 
 
 def run_ladder_interpreter(on_row=None) -> list[dict]:
-    """No GPU: steps 2 and 3 at one tiny fp32 shape through the interpreter; peers skipped."""
+    """No GPU: fmha's rows at one tiny fp32 shape through the interpreter, one call each; peers skipped."""
     case = INTERPRETER_CASE
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(case.batch, heads, seqlen, case.head_dim, generator=generator)
                for heads, seqlen in ((case.q_heads, case.seqlen_q), (case.kv_heads, case.seqlen_k),
                                      (case.kv_heads, case.seqlen_k)))
-    functions = {"naive": fmha.naive_attention, "fmha": fmha.attention}
     rows = []
-    for name in PEERS:
+    for name, peer in PEERS.items():
         row = {"case": case.to_dict(), "label": case.label, "provider": name, "dtype": "float32"}
-        if name in functions:
-            function = functions[name]
-            start = time.perf_counter()
-            out = function(q, k, v, causal=case.causal)
-            ms = (time.perf_counter() - start) * 1e3
-            error = relative_error(case, q, k, v, out)
-            row.update(status="ok" if error <= 1e-5 else "wrong", rel_err=error, ms=ms, us=ms * 1e3,
-                       method="cpu_interpreter", tflops=metrics.tflops(case, ms),
-                       us_per_head=metrics.microseconds_per_head(case, ms))
-            if row["status"] == "wrong":
-                row["error"] = f"relative error {error:.3g} vs float64"
-        elif name == "fmha_tuned":
-            row.update(status="unavailable", error="not tuned: the autotuner (step 4) is not built yet")
-        else:
+        if not peer.is_fmha:
             row.update(status="skipped", error="no GPU: peers were skipped")
+        else:
+            try:
+                prepared = peer.prepare(case, q, k, v)
+            except PeerUnavailable as reason:
+                row.update(status="unavailable", error=str(reason))
+            else:
+                row.update(prepared.kernel or {})
+                start = time.perf_counter()
+                out = prepared.run()
+                ms = (time.perf_counter() - start) * 1e3
+                error = relative_error(case, q, k, v, out)
+                # Timings are kept for the record; the report makes no speed claim from them.
+                row.update(status="ok" if error <= 1e-5 else "wrong", rel_err=error, ms=ms, us=ms * 1e3,
+                           method="cpu_interpreter", tflops=metrics.tflops(case, ms),
+                           us_per_head=metrics.microseconds_per_head(case, ms))
+                if row["status"] == "wrong":
+                    row["error"] = f"relative error {error:.3g} vs float64"
         rows.append(row)
         if on_row is not None:
             on_row(row)
@@ -108,11 +117,12 @@ def run_ladder_interpreter(on_row=None) -> list[dict]:
 
 
 def build_payload(*, suites, modes, dtype: str, providers, rows, kernels, invariant, limits=None,
-                  limits_source=None, memory=None, interpreter=False) -> dict:
+                  limits_source=None, memory=None, interpreter=False, shapes=(), ignored_options=()) -> dict:
     payload = {
         "schema": RESULTS_SCHEMA,
         "environment": environment(),
         "suites": list(suites),
+        "shapes": [case.shape_text for case in shapes],
         "modes": list(modes),
         "dtype": dtype,
         "providers": list(providers),
@@ -127,4 +137,6 @@ def build_payload(*, suites, modes, dtype: str, providers, rows, kernels, invari
                                   "source": limits_source}
     if memory is not None:
         payload["memory_check"] = memory
+    if ignored_options:
+        payload["ignored_options"] = list(ignored_options)
     return payload
