@@ -233,3 +233,16 @@ def test_build_errors_name_the_compilers_message():
     except ValueError as error:
         assert build_error_summary(error) == ("RuntimeError: async_copy_shared_to_global has been removed; "
                                               "call async_store instead")
+
+
+def test_compat_resolves_this_triton():
+    """The names fmha.compat picks exist in the installed triton, which pyproject's range admits."""
+    from fmha import compat
+
+    assert compat.TRITON_OLDEST <= compat.TRITON_VERSION and compat.triton_version_problem() is None
+    assert compat.GLUON_IMPORT_ERROR is None
+    assert callable(compat.tma_load) and callable(compat.tma_store) and compat.GluonASTSource is not None
+    assert compat.COMPILE_OPTIONS == {"enable_fp_fusion": True}
+    enter, exit_ = compat.launch_hooks()
+    assert not compat.hooks_active(enter) and not compat.hooks_active(exit_)  # nobody listens in tests
+    assert compat._release("3.9.0+git1234") == (3, 9, 0) and compat._release("3.10") == (3, 10, 0)

@@ -53,11 +53,12 @@ except ImportError:  # pragma: no cover - outside the supported range: the porta
 # --- launching a compiled kernel directly --------------------------------------------------------
 
 def load_compiled(compiled) -> None:
-    """Load a compiled kernel's module on the current device (``CompiledKernel._init_handles``,
-    private; ``.run`` loads lazily when the method is missing)."""
-    init = getattr(compiled, "_init_handles", None)
-    if init is not None:
-        init()
+    """Load a compiled kernel's module on the current device: ``CompiledKernel._init_handles``,
+    private, in every supported release; past them, reading ``.run`` loads it lazily."""
+    if TRITON_VERSION <= TRITON_NEWEST or hasattr(compiled, "_init_handles"):
+        compiled._init_handles()
+    else:
+        compiled.run  # noqa: B018 - the property loads the module
 
 
 def launch_hooks() -> tuple:
@@ -67,11 +68,11 @@ def launch_hooks() -> tuple:
 
 
 def hooks_active(hook) -> bool:
-    """Whether a launch hook would call anything: since 3.6 the knob is a chain, empty by default."""
+    """Whether a launch hook would call anything: from 3.6 the knob is a chain, empty by default
+    (a plain callable or None before)."""
     if hook is None:
         return False
-    calls = getattr(hook, "calls", None)
-    return True if calls is None else bool(calls)
+    return bool(hook.calls) if TRITON_VERSION >= (3, 6, 0) and hasattr(hook, "calls") else True
 
 
 # --- Gluon ----------------------------------------------------------------------------------------
@@ -84,8 +85,10 @@ def _gluon():
     except ImportError as error:
         return error
     # 3.8 renamed the bulk tensor copies (async_load / async_store); 3.9 removed the old names.
-    load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    if TRITON_VERSION >= (3, 8, 0):
+        load, store = tma.async_load, tma.async_store
+    else:
+        load, store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
     return GluonASTSource, load, store
 
 

@@ -8,7 +8,7 @@ import torch
 import triton
 from triton.experimental.gluon import language as gl
 
-from ...compat import COMPILE_OPTIONS, GluonASTSource, load_compiled
+from ...compat import COMPILE_OPTIONS, GluonASTSource, load_compiled, triton_version_problem
 from ...params import AttentionParams
 from ...runtime import KernelBuildError, multiprocessors, run_compiled
 from ..triton.launch import descriptor_strides, window_bounds
@@ -81,8 +81,9 @@ def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: 
                                       options=hopper_compile_options(schedule))
             load_compiled(compiled)
     except Exception as error:  # noqa: BLE001 - any compiler failure means: not this kernel
-        return KernelBuildError(f"the Gluon Hopper forward failed to build with triton {triton.__version__}: "
-                                f"{build_error_summary(error)}")
+        outside = triton_version_problem()
+        return KernelBuildError(f"the Gluon Hopper forward failed to build with triton {triton.__version__}"
+                                f"{f' ({outside})' if outside else ''}: {build_error_summary(error)}")
     return compiled, constants
 
 
