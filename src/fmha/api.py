@@ -8,6 +8,12 @@ Supported
   ``expand``; nothing is copied. The output has q's memory layout when q is dense.
 * ``causal=True`` is bottom-right aligned as in FlashAttention: query i sees keys
   j <= i + Sk - Sq. A row that sees no key returns zeros and LSE = -inf.
+* ``window=(left, right)``: query i sees keys pos(i) - left <= j <= pos(i) + right with
+  pos(i) = i + Sk - Sq; ``None`` for a side leaves it unbounded; with ``causal=True`` the right
+  side is min(right, 0). Forward and backward, with GQA, Sq != Sk and every head dim; key blocks
+  outside the window are skipped, so the cost follows the visible pairs. Left-bounded windows run
+  the portable kernel (the Hopper kernel takes right bounds only, for now). Also in
+  ``naive_attention``.
 * ``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
   (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs).
 * ``naive_attention``: the materialising baseline, same contract as ``attention``.
@@ -40,8 +46,8 @@ Supported
 Not yet supported (raise ``NotImplementedError``)
 -------------------------------------------------
 * Gradients of ``naive_attention`` (a forward-only baseline).
-* ``window``, ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p > 0`` (and ``generator``):
-  accepted by name, refused until their kernels land.
+* ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p > 0`` (and ``generator``): accepted by
+  name, refused until their kernels land.
 * SDPA ``attn_mask``, a value head dim different from the query's, and batch dims that differ
   between query and key/value (broadcasting).
 * Varlen, KV-cache decode, FP8.
@@ -66,8 +72,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
         k, v: (B, Hkv, Sk, D), same dtype and device, Hq % Hkv == 0.
         causal: bottom-right aligned causal mask (query i sees keys j <= i + Sk - Sq).
         scale: score scale, default D**-0.5.
-        window, softcap, alibi_slopes, sinks, dropout_p, generator: the design's extensions;
-            they raise ``NotImplementedError`` until their kernels land.
+        window: ``(left, right)`` key window around each query's position ``i + Sk - Sq``;
+            ``None`` for a side is unbounded; intersected with ``causal``.
+        softcap, alibi_slopes, sinks, dropout_p, generator: the design's extensions; they raise
+            ``NotImplementedError`` until their kernels land.
         return_lse: also return the natural-log LSE, float32 (B, Hq, Sq); not differentiable.
         deterministic: require bitwise-reproducible gradients. The backward never uses atomics,
             so gradients are reproducible either way.
@@ -126,14 +134,14 @@ def explain(q, k, v, **kwargs) -> dispatch.Explanation:
     return dataclasses.replace(explanation, backward=f"triton {backward} (from {source})")
 
 
-def naive_attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+def naive_attention(q, k, v, *, causal=False, scale=None, window=None, return_lse=False):
     """Step 2 of the ladder: the same contract as :func:`attention`, with S and P materialised.
 
     Allocates B * Hq * Sq * Sk * (4 + element size) bytes for the score and probability matrices.
     """
     fn = "fmha.naive_attention"
     check_flag(fn, "return_lse", return_lse)
-    params = attention_params(fn, q, k, v, causal=causal, scale=scale, backend="naive")
+    params = attention_params(fn, q, k, v, causal=causal, scale=scale, window=window, backend="naive")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise NotImplementedError(f"{fn}: the naive baseline is forward only; use fmha.attention for gradients "
                                   "or call it under torch.no_grad()")

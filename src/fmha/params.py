@@ -223,8 +223,6 @@ def attention_params(fn: str, q, k, v, *, causal=False, scale=None, window=None,
     causal = check_flag(fn, "causal", causal)
     check_flag(fn, "deterministic", deterministic)
     left, right = check_window(fn, window)
-    if window is not None and (left is not None or right is not None):
-        raise NotImplementedError(f"{fn}: window is not supported yet")
     if causal:
         right = 0 if right is None else min(right, 0)
     check_not_yet(fn, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, generator=generator)

@@ -1,0 +1,60 @@
+"""Sliding windows on the GPU (marker ``gpu``): forward and backward over windows, causal, GQA,
+head dims and lengths, with bf16 against float64 (the project's error rule)."""
+
+import pytest
+import torch
+
+import fmha
+from fmha.masking import Window
+
+from .helpers import assert_close_to_reference, assert_grads_close, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+# (left, right): the issue's widths as causal-style windows, a symmetric window, a right-only one
+WINDOWS = [(0, 0), (1, 0), (63, 0), (256, 0), (1024, 0), (4096, 0), (100, 100), (None, 7)]
+LENGTHS = [(1, 4096), (1000, 1000), (1000, 4096), (4096, 1000)]
+
+
+def visible_window(seqlen_q, seqlen_k, left, right, causal):
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return Window.of(seqlen_q, seqlen_k, left=left, right=right)
+
+
+def inputs(seqlen_q, seqlen_k, head_dim, seed, grad=False):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = random_qkv(1, 8, 2, seqlen_q, seqlen_k, head_dim, torch.bfloat16, device="cuda", generator=generator)
+    return (t.requires_grad_(grad) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", LENGTHS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda window: f"left{window[0]}-right{window[1]}")
+def test_window_forward_gpu(window, head_dim, seqlen_q, seqlen_k, causal):
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((window, head_dim, seqlen_q, seqlen_k, causal)) % 2**31)
+    out, lse = fmha.attention(q, k, v, causal=causal, window=window, return_lse=True)
+    assert_close_to_reference(out, q, k, v, window=visible_window(seqlen_q, seqlen_k, *window, causal), lse=lse,
+                              atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1000, 1000), (1000, 4096)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda window: f"left{window[0]}-right{window[1]}")
+def test_window_backward_gpu(window, head_dim, seqlen_q, seqlen_k, causal):
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((window, head_dim, seqlen_q, causal, 1)) % 2**31, grad=True)
+    out = fmha.attention(q, k, v, causal=causal, window=window)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_grads_close(grads, q, k, v, dout, window=visible_window(seqlen_q, seqlen_k, *window, causal))
+
+
+def test_window_gradients_are_deterministic_gpu():
+    q, k, v = inputs(1500, 2000, 128, 7, grad=True)
+    dout = torch.randn(1, 8, 1500, 128, device="cuda", dtype=torch.bfloat16)
+    first = torch.autograd.grad(fmha.attention(q, k, v, causal=True, window=(255, 0)), (q, k, v), dout)
+    for _ in range(4):
+        again = torch.autograd.grad(fmha.attention(q, k, v, causal=True, window=(255, 0)), (q, k, v), dout)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
