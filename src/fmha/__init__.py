@@ -5,6 +5,14 @@ from ._version import __version__
 from .api import attention, explain, naive_attention, scaled_dot_product_attention
 from .backends.gluon_sm90.schedule import HopperSchedule
 from .backends.triton.config import BackwardConfig, ForwardConfig
+from .flash_attn import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from .params import AttentionOptions, AttentionParams
 
 __all__ = [
@@ -15,6 +23,12 @@ __all__ = [
     "HopperSchedule",
     "attention",
     "explain",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "naive_attention",
     "reference",
     "scaled_dot_product_attention",

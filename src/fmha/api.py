@@ -17,6 +17,10 @@ Supported
 * ``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
   (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs).
 * ``naive_attention``: the materialising baseline, same contract as ``attention``.
+* FlashAttention-2's ``flash_attn_func``, ``flash_attn_qkvpacked_func`` and
+  ``flash_attn_kvpacked_func`` (``fmha.flash_attn``): its signatures, (B, S, H, D) layout,
+  ``window_size`` (-1 unbounded) and ``return_attn_probs`` (``(out, softmax_lse, None)``: the third
+  item, the dropout pattern, is None without dropout); no copies.
 * ``explain(q, k, v, **kwargs)``: which backend, schedule and config a call would run, where the
   config comes from, and why the other backends refused.
 * dtypes float16 and bfloat16; float32 as a slow exact path.
@@ -50,7 +54,7 @@ Not yet supported (raise ``NotImplementedError``)
   name, refused until their kernels land.
 * SDPA ``attn_mask``, a value head dim different from the query's, and batch dims that differ
   between query and key/value (broadcasting).
-* Varlen, KV-cache decode, FP8.
+* Varlen (``flash_attn_varlen_func`` and its packed variants raise), paged KV cache, FP8.
 """
 
 from __future__ import annotations
