@@ -70,3 +70,15 @@ def test_bad_windows_name_the_argument(window, error, pattern):
     q, k, v = random_qkv(1, 2, 2, 8, 8, 16, torch.float32)
     with pytest.raises(error, match=pattern):
         fmha.attention(q, k, v, window=window)
+
+
+def test_torch_compile_fullgraph_with_a_window():
+    def block(q, k, v):
+        return (fmha.attention(q, k, v, causal=True, window=(5, None)) * 2).sum()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 1, 24, 30, 16, torch.float32))
+    grads = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    eager = torch.autograd.grad(block(q, k, v), (q, k, v))
+    for got, expected in zip(grads, eager):
+        torch.testing.assert_close(got, expected)
