@@ -209,7 +209,7 @@ def _load_partition(
             mbarrier.wait(q_free.index(q_slot), q_phase ^ 1)
             mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
             tma_load(q_desc, [batch, head, first_row + consumer * consumer_rows, 0],
-                                            q_ready.index(q_slot), q_smem.index(q_slot))
+                     q_ready.index(q_slot), q_smem.index(q_slot))
         for block in range(num_kv_blocks):
             position = ring_position + block
             slot = position % STAGES
@@ -217,11 +217,11 @@ def _load_partition(
             mbarrier.wait(k_free.index(slot), free_phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             tma_load(k_desc, [batch, kv_head, block * BLOCK_N, 0],
-                                            k_ready.index(slot), k_smem.index(slot))
+                     k_ready.index(slot), k_smem.index(slot))
             mbarrier.wait(v_free.index(slot), free_phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma_load(v_desc, [batch, kv_head, block * BLOCK_N, 0],
-                                            v_ready.index(slot), v_smem.index(slot))
+                     v_ready.index(slot), v_smem.index(slot))
         ring_position += num_kv_blocks
         tile_count += 1
 
