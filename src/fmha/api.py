@@ -10,10 +10,9 @@ Supported
   j <= i + Sk - Sq. A row that sees no key returns zeros and LSE = -inf.
 * ``window=(left, right)``: query i sees keys pos(i) - left <= j <= pos(i) + right with
   pos(i) = i + Sk - Sq; ``None`` for a side leaves it unbounded; with ``causal=True`` the right
-  side is min(right, 0). Forward and backward, with GQA, Sq != Sk and every head dim; key blocks
-  outside the window are skipped, so the cost follows the visible pairs. Left-bounded windows run
-  the portable kernel (the Hopper kernel takes right bounds only, for now). Also in
-  ``naive_attention``.
+  side is min(right, 0). Forward (the Hopper kernel included) and backward, with GQA, Sq != Sk and
+  every head dim; key blocks outside the window are skipped, so the cost follows the visible
+  pairs. Also in ``naive_attention``.
 * ``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
   (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs).
 * ``naive_attention``: the materialising baseline, same contract as ``attention``.

@@ -59,8 +59,6 @@ class HopperBackend:
             return f"head dim {params.head_dim} is not built (64 or 128)"
         if options.scale <= 0:
             return "needs a positive scale (it is folded into exp2 after the row max)"
-        if options.window_left is not None:
-            return "a left window bound is not built into the Hopper kernel yet"
         if options.layout != "dense":
             return f"layout {options.layout!r} is not built yet"
         for name, tensor in zip("qkv", (q, k, v)):

@@ -29,8 +29,9 @@ relative error 1e-4, far below the 16-bit rounding of P) instead of the MUFU uni
 results per clock per multiprocessor otherwise pace the softmax at head dim 64.
 
 Rows past the end of a sequence load as zeros and are never stored (the descriptors carry the
-bounds); keys past the end and outside the key window (:mod:`fmha.backends.gluon_sm90.masking`,
-causal today: a right bound) are masked to -inf.
+bounds). A tile walks only the key blocks its rows can see (:mod:`fmha.backends.gluon_sm90.masking`:
+a left and a right bound, each optional); keys past the end and outside the window in the edge
+blocks are masked to -inf.
 """
 
 from triton.experimental import gluon
@@ -154,8 +155,8 @@ def _program_steps(num_tiles, HAS_RIGHT: gl.constexpr):
 
 
 @gluon.jit
-def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_RIGHT: gl.constexpr):
+def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """The program's step-th tile. Tile t covers query block t % num_m_blocks of (batch, head)
     t // num_m_blocks: the query blocks of one head run side by side and share K/V in L2.
 
@@ -181,27 +182,28 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
     batch_head = tile // num_m_blocks
     head = batch_head % num_q_heads
     first_row = m_block * BLOCK_M
-    # Without a left bound the first block is 0 (HAS_LEFT is not built into this kernel yet).
-    # Blocks [0, full_end) need no mask; [full_end, end) do.
-    _, _, num_unmasked_blocks, num_kv_blocks = key_blocks(first_row, BLOCK_M, seqlen_k, 0, hi, BLOCK_N, False, HAS_RIGHT)
-    return batch_head // num_q_heads, head, head // group_size, batch_head, first_row, num_kv_blocks, num_unmasked_blocks
+    # Key blocks [start, end): [start, full_start) and [full_end, end) need the mask, the others not.
+    blocks = key_blocks(first_row, BLOCK_M, seqlen_k, lo, hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    return batch_head // num_q_heads, head, head // group_size, batch_head, first_row, blocks
 
 
 @gluon.jit
 def _load_partition(
     args,  # unpacked below
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_RIGHT: gl.constexpr, CONSUMERS: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi) = args
+     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi) = args
     consumer_rows: gl.constexpr = q_desc.block_type.shape[2]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     ring_position = 0  # K/V blocks loaded so far, over all tiles: slot and phase of the next one
     tile_count = 0
     for step in range(_program_steps(num_tiles, HAS_RIGHT)):
-        batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
-            step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi,
-            CONSUMERS * consumer_rows, BLOCK_N, HAS_RIGHT)
+        batch, head, kv_head, batch_head, first_row, blocks = _tile_coordinates(
+            step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi,
+            CONSUMERS * consumer_rows, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        start, _, _, end = blocks
         q_phase = (tile_count // Q_BUFFERS) & 1
         for consumer in gl.static_range(CONSUMERS):
             q_slot = consumer * Q_BUFFERS + tile_count % Q_BUFFERS
@@ -210,8 +212,8 @@ def _load_partition(
             mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
             tma_load(q_desc, [batch, head, first_row + consumer * consumer_rows, 0],
                      q_ready.index(q_slot), q_smem.index(q_slot))
-        for block in range(num_kv_blocks):
-            position = ring_position + block
+        for block in range(start, end):
+            position = ring_position + block - start
             slot = position % STAGES
             free_phase = ((position // STAGES) & 1) ^ 1
             mbarrier.wait(k_free.index(slot), free_phase)
@@ -222,7 +224,7 @@ def _load_partition(
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma_load(v_desc, [batch, kv_head, block * BLOCK_N, 0],
                      v_ready.index(slot), v_smem.index(slot))
-        ring_position += num_kv_blocks
+        ring_position += end - start
         tile_count += 1
 
 
@@ -230,14 +232,15 @@ def _load_partition(
 def _softmax_block(
     scores,  # [ROWS, BLOCK_N] f32, Q·Kᵀ unscaled
     row_max, row_sum,  # [ROWS] f32, log2 units
-    rows, keys0, key_start, seqlen_k, hi, qk_scale,
-    MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+    rows, keys0, key_start, seqlen_k, lo, hi, qk_scale,
+    MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
 ):
     """Probabilities of the key block starting at key_start (its keys are key_start + keys0), the
     accumulator's rescale factor, the new max and sum."""
     if MASKED:
         # Block-relative keys: shift the window and the end of K by the block's first key.
-        seen = visible(rows[:, None], keys0[None, :], seqlen_k - key_start, 0, hi - key_start, False, HAS_RIGHT)
+        seen = visible(rows[:, None], keys0[None, :], seqlen_k - key_start, lo - key_start, hi - key_start,
+                       HAS_LEFT, HAS_RIGHT)
         scores = gl.where(seen, scores, float("-inf"))
     new_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale)
     # A row that has seen no key keeps max = -inf; subtracting 0 gives exp2(-inf) = 0, not NaN.
@@ -249,34 +252,37 @@ def _softmax_block(
 
 
 @gluon.jit
-def _softmax_first_block(scores, rows, keys0, seqlen_k, hi, qk_scale, masked,
-                         HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr):
+def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, masked,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr):
     """The first block of a tile: nothing to rescale yet."""
     row_max = gl.full([scores.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     row_sum = gl.zeros([scores.shape[0]], gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     if masked:
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, 0, seqlen_k, hi, qk_scale, True, HAS_RIGHT, EMULATED_EXP2)
+            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, True, HAS_LEFT, HAS_RIGHT,
+            EMULATED_EXP2)
     else:
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, 0, seqlen_k, hi, qk_scale, False, HAS_RIGHT, EMULATED_EXP2)
+            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, False, HAS_LEFT, HAS_RIGHT,
+            EMULATED_EXP2)
     return probs, row_max, row_sum
 
 
 @gluon.jit
 def _pipelined_blocks(
     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-    rows, keys0, ring_position, block_start, block_end, seqlen_k, hi, qk_scale,
+    rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+    MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
 ):
-    """Blocks [block_start, block_end) of the tile, each issued with the previous block's P·V."""
+    """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
+    sits at ring position ring_base + b."""
     ROWS: gl.constexpr = q.shape[0]
     p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
     o_rows: gl.constexpr = gl.SliceLayout(1, _accumulator_layout(HEAD_DIM))
     no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=_accumulator_layout(BLOCK_N))
     for block in range(block_start, block_end):
-        position = ring_position + block
+        position = ring_base + block
         slot = position % STAGES
         prev_slot = (position - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (position // STAGES) & 1)
@@ -290,8 +296,8 @@ def _pipelined_blocks(
         scores = warpgroup_mma_wait(1, deps=(scores,))
         mbarrier.arrive(k_free.index(slot), count=1)
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, hi, qk_scale,
-            MASKED, HAS_RIGHT, EMULATED_EXP2)
+            scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale,
+            MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_free.index(prev_slot), count=1)
         acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
@@ -302,10 +308,10 @@ def _pipelined_blocks(
 def _consumer_partition(
     shared,  # the runtime arguments every consumer gets, unpacked below
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
 ):
     (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, hi, qk_scale) = shared
+     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale) = shared
     dtype: gl.constexpr = o_desc.dtype
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
     s_layout: gl.constexpr = _accumulator_layout(BLOCK_N)
@@ -318,9 +324,11 @@ def _consumer_partition(
     ring_position = 0
     tile_count = 0
     for step in range(_program_steps(num_tiles, HAS_RIGHT)):
-        batch, head, kv_head, batch_head, first_row, num_kv_blocks, num_unmasked_blocks = _tile_coordinates(
-            step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi,
-            CONSUMERS * ROWS, BLOCK_N, HAS_RIGHT)
+        batch, head, kv_head, batch_head, first_row, blocks = _tile_coordinates(
+            step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi,
+            CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        start, full_start, full_end, end = blocks
+        ring_base = ring_position - start  # key block b sits at ring position ring_base + b
         row0 = first_row + CONSUMER * ROWS
         rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
         row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
@@ -329,8 +337,8 @@ def _consumer_partition(
         q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
         mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
         q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
-        if num_kv_blocks > 0:
-            # Block 0: scores and probabilities; its P·V is issued with block 1's Q·Kᵀ.
+        if end > start:
+            # The first block: scores and probabilities; its P·V is issued with the next block's Q·Kᵀ.
             slot = ring_position % STAGES
             mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
             k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
@@ -339,18 +347,26 @@ def _consumer_partition(
             scores = warpgroup_mma_wait(0, deps=(scores,))
             mbarrier.arrive(k_free.index(slot), count=1)
             probs, row_max, row_sum = _softmax_first_block(
-                scores, rows, keys0, seqlen_k, hi, qk_scale, num_unmasked_blocks == 0, HAS_RIGHT, EMULATED_EXP2)
-            # Blocks wholly visible to every row run without masks; the diagonal and the end of K with.
-            first_masked = gl.maximum(num_unmasked_blocks, 1)
+                scores, rows, keys0, start * BLOCK_N, seqlen_k, lo, hi, qk_scale,
+                (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
+            # Blocks wholly visible to every row run without masks; the window's edges and the end
+            # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
+            unmasked_start = gl.maximum(full_start, start + 1)
+            unmasked_end = gl.maximum(full_end, unmasked_start)
+            if HAS_LEFT:
+                acc, probs, row_max, row_sum = _pipelined_blocks(
+                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                    rows, keys0, ring_base, start + 1, unmasked_start, seqlen_k, lo, hi, qk_scale,
+                    HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                rows, keys0, ring_position, 1, first_masked, seqlen_k, hi, qk_scale,
-                HEAD_DIM, BLOCK_N, STAGES, False, HAS_RIGHT, EMULATED_EXP2)
+                rows, keys0, ring_base, unmasked_start, unmasked_end, seqlen_k, lo, hi, qk_scale,
+                HEAD_DIM, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                rows, keys0, ring_position, first_masked, num_kv_blocks, seqlen_k, hi, qk_scale,
-                HEAD_DIM, BLOCK_N, STAGES, True, HAS_RIGHT, EMULATED_EXP2)
-            last = ring_position + num_kv_blocks - 1
+                rows, keys0, ring_base, unmasked_end, end, seqlen_k, lo, hi, qk_scale,
+                HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
+            last = ring_position + end - start - 1
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
             v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
@@ -370,7 +386,7 @@ def _consumer_partition(
         o_smem.index(CONSUMER).reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
         fence_async_shared()
         tma_store(o_desc, [batch, head, row0, 0], o_smem.index(CONSUMER))
-        ring_position += num_kv_blocks
+        ring_position += end - start
         tile_count += 1
     tma.store_wait(0)
 
@@ -378,8 +394,9 @@ def _consumer_partition(
 @gluon.jit
 def attention_forward_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Lse,
-    num_q_heads, group_size, seqlen_q, seqlen_k, hi, qk_scale, num_tiles,
-    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, num_tiles,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+    HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
@@ -407,26 +424,26 @@ def attention_forward_hopper_kernel(
         mbarrier.init(v_free.index(slot), count=CONSUMERS)
 
     shared = (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-              num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, hi, qk_scale)
+              num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale)
     load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-                 num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, hi)
+                 num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi)
     # The registers go to the consumers (setmaxnreg): the load warp needs few.
     if CONSUMERS == 1:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_RIGHT, CONSUMERS))],
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_RIGHT, CONSUMERS))],
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
-             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_RIGHT, EMULATED_EXP2)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_RIGHT, CONSUMERS))],
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
+             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

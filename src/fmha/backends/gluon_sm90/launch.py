@@ -36,11 +36,14 @@ class _HostDescriptor:
         self.strides = descriptor_strides(tensor.shape, tensor.stride())
 
 
-_INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "hi")
+_INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
 
 
-def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, schedule: HopperSchedule):
+def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, schedule: HopperSchedule,
+                          has_left: bool = False):
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
+
+    ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one.
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
     """
@@ -49,7 +52,8 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
     def descriptor_type(rows: int) -> str:
         return f"tensordesc<{element}[1,1,{rows},{head_dim}],{_shared_layout(rows, head_dim, dtype)!r}>"
 
-    constants = {"HEAD_DIM": head_dim, "BLOCK_N": schedule.block_n, "STAGES": schedule.stages, "HAS_RIGHT": causal,
+    constants = {"HEAD_DIM": head_dim, "BLOCK_N": schedule.block_n, "STAGES": schedule.stages,
+                 "HAS_LEFT": has_left, "HAS_RIGHT": causal,
                  "CONSUMERS": schedule.consumers, "EMULATED_EXP2": schedule.emulated_exp2,
                  "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
@@ -68,14 +72,14 @@ def hopper_compile_options(schedule: HopperSchedule) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
-                            schedule: HopperSchedule):
+                            schedule: HopperSchedule, has_left: bool = False):
     """Compiled once per device and static configuration (Triton's disk cache still applies).
 
     A failed build is remembered too, and raises :class:`fmha.runtime.KernelBuildError` (the
     dispatcher then falls back to the portable kernel) on every later request.
     """
     try:
-        source, constants = hopper_forward_source(dtype, head_dim, causal, schedule)
+        source, constants = hopper_forward_source(dtype, head_dim, causal, schedule, has_left)
         with torch.cuda.device(device):
             compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(),
                                       options=hopper_compile_options(schedule))
@@ -101,10 +105,9 @@ class HopperForward:
     __slots__ = ("schedule", "compiled", "grid", "integers", "device")
 
     def __init__(self, params: AttentionParams, schedule: HopperSchedule):
-        has_left, has_right, _, hi = window_bounds(params)
-        assert not has_left, "the Hopper forward has no left window bound yet"
+        has_left, has_right, lo, hi = window_bounds(params)
         self.schedule, self.device = schedule, params.device
-        built = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right, schedule)
+        built = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right, schedule, has_left)
         if isinstance(built, KernelBuildError):
             raise built
         compiled, constants = built
@@ -116,7 +119,7 @@ class HopperForward:
             self.grid = min((num_tiles + 1) // 2, schedule.ctas_per_sm * multiprocessors(params.device))
         else:
             self.grid = min(num_tiles, schedule.ctas_per_sm * multiprocessors(params.device))
-        self.integers = (params.q_heads, params.group, params.seqlen_q, params.seqlen_k, hi,
+        self.integers = (params.q_heads, params.group, params.seqlen_q, params.seqlen_k, lo, hi,
                          params.options.scale * LOG2_E, num_tiles, *constants)
 
     def __call__(self, q, k, v, out, lse):
