@@ -61,18 +61,19 @@ def load_compiled(compiled) -> None:
         compiled.run  # noqa: B018 - the property loads the module
 
 
-def launch_hooks() -> tuple:
-    """Triton's launch enter and exit hooks (``triton.knobs.runtime``, a public knob since 3.4)."""
-    runtime = triton.knobs.runtime
-    return runtime.launch_enter_hook, runtime.launch_exit_hook
+_RUNTIME_KNOBS = triton.knobs.runtime  # a public knob since 3.4
 
 
-def hooks_active(hook) -> bool:
-    """Whether a launch hook would call anything: from 3.6 the knob is a chain, empty by default
-    (a plain callable or None before)."""
-    if hook is None:
-        return False
-    return bool(hook.calls) if TRITON_VERSION >= (3, 6, 0) and hasattr(hook, "calls") else True
+def active_launch_hooks():
+    """Triton's launch enter and exit hooks when something listens (a profiler), else None.
+
+    From 3.6 each knob is a chain of hooks, empty by default (``.calls``); a hook set as a plain
+    callable, or None, is read as itself. Paid on every direct launch: one function call.
+    """
+    enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+    if getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_):
+        return enter, exit_
+    return None
 
 
 # --- Gluon ----------------------------------------------------------------------------------------

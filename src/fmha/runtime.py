@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .compat import InterpretedFunction, TensorDescriptor, hooks_active, launch_hooks  # noqa: F401
+from .compat import InterpretedFunction, TensorDescriptor, active_launch_hooks  # noqa: F401
 
 
 @triton.jit
@@ -65,11 +65,12 @@ def run_compiled(compiled, grid: int | tuple[int, int, int], device: torch.devic
     """
     grid = grid if grid.__class__ is tuple else (grid, 1, 1)
     stream = torch._C._cuda_getCurrentRawStream(device.index)  # what Triton's own launch asks for
-    enter_hook, exit_hook = launch_hooks()
-    if hooks_active(enter_hook) or hooks_active(exit_hook):  # a profiler listens: give it what Triton gives
-        metadata = compiled.launch_metadata(grid, stream, *args)
-    else:
+    hooks = active_launch_hooks()
+    if hooks is None:
         enter_hook = exit_hook = metadata = None
+    else:  # a profiler listens: give it what Triton's own launch gives
+        enter_hook, exit_hook = hooks
+        metadata = compiled.launch_metadata(grid, stream, *args)
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata, enter_hook, exit_hook, *args)
 
 
