@@ -5,7 +5,8 @@
 
 Families: ``hopper`` (the Gluon forward, D 64 and 128, causal and not, GQA, odd lengths, each
 schedule shape: one, two and three consumers), ``portable`` (the Triton forward and backward, odd
-lengths, GQA, D 40 and 128), ``split_kv`` (the decode forward and its combine kernel), ``naive``
+lengths, GQA, D 40 and 128, causal, a sliding window), ``varlen`` (packed sequences: the tile
+list, the forward and the backward), ``split_kv`` (the decode forward and its combine kernel), ``naive``
 (step 2's three kernels), and two minimal Gluon kernels:
 ``ws_minimal`` only warp-specialises (one worker; then the Hopper forward's shape: two workers,
 setmaxnreg, a captured value) with no shared memory of its own, so its racecheck report shows
@@ -19,6 +20,7 @@ the kernel did not write shows up as NaN.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -32,14 +34,17 @@ from fmha import ForwardConfig, HopperSchedule
 from fmha.compat import tma_store
 
 
-def _reference(q, k, v, causal):
+def _reference(q, k, v, causal, left=None):
     with sdpa_kernel(SDPBackend.MATH):
-        # bottom-right causal as fmha: an explicit mask
+        # bottom-right causal (and a left window bound) as fmha: an explicit mask
         mask = None
         if causal:
             seqlen_q, seqlen_k = q.shape[2], k.shape[2]
             rows = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
-            mask = torch.arange(seqlen_k, device=q.device)[None, :] <= rows
+            keys = torch.arange(seqlen_k, device=q.device)[None, :]
+            mask = keys <= rows
+            if left is not None:
+                mask &= keys >= rows - left
         return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                                 enable_gqa=True)
 
@@ -49,8 +54,8 @@ def _poison_free_memory(nbytes):
     torch.full((nbytes // 2,), float("nan"), device="cuda", dtype=torch.bfloat16)
 
 
-def _check(name, out, q, k, v, causal):
-    expected = _reference(q, k, v, causal).nan_to_num()
+def _check(name, out, q, k, v, causal, left=None):
+    expected = _reference(q, k, v, causal, left).nan_to_num()
     error = (out.float() - expected).abs().max().item()
     status = "ok" if error < 2e-2 and out.isfinite().all() else "WRONG"
     print(f"{name}: max abs error {error:.2e} {status}", flush=True)
@@ -76,6 +81,11 @@ def hopper():
                 unwritten = out.isnan().sum().item()
                 _check(f"hopper D{head_dim} causal={causal} {schedule.text()} unwritten={unwritten}", out, q, k, v,
                        causal)
+        # a sliding window: tiles start at the window's left edge
+        q, k, v = _inputs(1, 4, 2, 300, 333, head_dim)
+        _poison_free_memory(q.numel() * 4)
+        out = fmha.attention(q, k, v, causal=True, window=(70, 0), config=HopperSchedule())
+        _check(f"hopper D{head_dim} window (70, 0) unwritten={out.isnan().sum().item()}", out, q, k, v, True, 70)
 
 
 def portable():
@@ -88,6 +98,31 @@ def portable():
             grads = [t.grad for t in (q, k, v)]
             finite = all(torch.isfinite(grad).all().item() for grad in grads)
             print(f"portable backward D{head_dim} causal={causal}: gradients finite={finite}", flush=True)
+        q, k, v = _inputs(2, 4, 2, 77, 131, head_dim, grad=True)
+        out = fmha.attention(q, k, v, causal=True, window=(20, 0), config=config)
+        _check(f"portable forward D{head_dim} window (20, 0)", out, q, k, v, True, 20)
+        out.backward(torch.randn_like(out))
+        print(f"portable backward D{head_dim} window (20, 0): gradients finite="
+              f"{all(torch.isfinite(t.grad).all().item() for t in (q, k, v))}", flush=True)
+
+
+def varlen():
+    """Packed sequences (empty, one-token and multi-tile ones): the tile list, forward and backward."""
+    lengths_q, lengths_k = [77, 0, 1, 130, 5], [90, 3, 0, 130, 64]
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+                  for lengths in (lengths_q, lengths_k))
+    for head_dim in (40, 128):
+        q = torch.randn(sum(lengths_q), 4, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(sum(lengths_k), 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        out = fmha.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+        for b in (0, 3, 4):
+            rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            _check(f"varlen forward D{head_dim} sequence {b}", out[rows].transpose(0, 1)[None],
+                   *(t[span].transpose(0, 1)[None] for t, span in ((q, rows), (k, keys), (v, keys))), True)
+        out.backward(torch.randn_like(out))
+        print(f"varlen backward D{head_dim}: gradients finite="
+              f"{all(torch.isfinite(t.grad).all().item() for t in (q, k, v))}", flush=True)
 
 
 def split_kv():
@@ -175,7 +210,8 @@ def tma_store_minimal():
     print(f"tma_store_minimal: {'ok' if torch.equal(out, expected) else 'WRONG'}", flush=True)
 
 
-FAMILIES = {"hopper": hopper, "portable": portable, "split_kv": split_kv, "naive": naive, "ws_minimal": ws_minimal,
+FAMILIES = {"hopper": hopper, "portable": portable, "varlen": varlen, "split_kv": split_kv, "naive": naive,
+            "ws_minimal": ws_minimal,
             "tma_store_minimal": tma_store_minimal}
 
 

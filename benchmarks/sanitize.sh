@@ -7,7 +7,7 @@ set -uo pipefail
 out=${1:?usage: sanitize.sh OUT_DIR}
 mkdir -p "$out"
 here=$(dirname "$0")
-families=${FAMILIES:-"hopper portable split_kv naive ws_minimal tma_store_minimal"}
+families=${FAMILIES:-"hopper portable varlen split_kv naive ws_minimal tma_store_minimal"}
 
 python3 "$here/sanitize.py" > "$out/sanitize_plain.log" 2>&1 || { tail -5 "$out/sanitize_plain.log"; exit 1; }  # compiles, outside the tools
 summary="$out/sanitize_summary.txt"

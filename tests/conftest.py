@@ -23,7 +23,8 @@ _torch_empty_like = torch.empty_like
 
 def _poisoned(tensor):
     if tensor.is_floating_point():
-        tensor.fill_(float("nan"))
+        with torch.no_grad():  # torch.compile's own allocations can be leaves that require grad
+            tensor.fill_(float("nan"))
     return tensor
 
 

@@ -128,3 +128,26 @@ def test_console_is_wide_without_a_terminal(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert any("triton_tuned" in line and reason in line for line in lines)  # one row, one line
     assert "x" * 300 in lines
+
+
+def test_the_features_suite_runs_through_bench_and_report_but_not_tune(capsys):
+    args = parse_args(["bench", "--suite", "features", "--mode", "fwd", "fwdbwd"])
+    assert args.suite == ["features"] and args.mode == ["fwd", "fwdbwd"] and "varlen_attn" in args.providers
+    window = "1,16,16,16384,16384,128,causal,window=1023:0"
+    assert [case.window for case in parse_args(["report", "--shape", window]).shape] == [(1023, 0)]
+    assert main(["bench", "--list"]) == 0
+    text = capsys.readouterr().out
+    assert f"--shape {window}" in text and "lengths=862:1654:712:3359:1799:1201:2383:3162:1252" in text
+    assert main(["tune", "--list"]) == 0
+    assert "features" not in capsys.readouterr().out  # tune keys on plain attention
+    for argv in (["tune", "--suite", "features"], ["tune", "--shape", window]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+    assert "fmha tune tunes plain attention; drop window=1023:0" in capsys.readouterr().err
+
+
+def test_bench_help_names_the_shape_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "window=LEFT:RIGHT" in capsys.readouterr().out

@@ -45,11 +45,12 @@ def sass_of(cubin):
 
 report = {"triton": triton.__version__}
 for variant in json.loads(sys.argv[1]):
-    head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm, *left = variant
+    head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm, *extra = variant
     schedule = HopperSchedule(block_n=block_n, stages=stages, consumers=consumers, emulated_exp2=emulated_exp2,
                               q_buffers=q_buffers, ctas_per_sm=ctas_per_sm)
     # The very source, signature and options the launcher compiles on a GPU.
-    source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left=bool(left))
+    source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left="left" in extra,
+                                             varlen="varlen" in extra)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options=launch.hopper_compile_options(schedule))
@@ -72,7 +73,9 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (128, False, 2, 128, 2, 0, 2, 1), (128, True, 2, 128, 2, 0, 2, 1), (128, True, 2, 128, 2, 0, 1, 1),
             (64, False, 1, 128, 2, 8, 2, 2), (64, True, 1, 64, 2, 0, 2, 3),
             (64, False, 3, 64, 3, 0, 1, 1), (64, False, 2, 128, 2, 0, 2, 1),
-            (64, True, 2, 128, 2, 8, 2, 1, "left"), (128, True, 2, 128, 2, 0, 2, 1, "left")]
+            (64, True, 2, 128, 2, 8, 2, 1, "left"), (128, True, 2, 128, 2, 0, 2, 1, "left"),
+            (128, True, 2, 128, 2, 0, 2, 1, "varlen"), (64, True, 1, 64, 2, 0, 2, 3, "varlen"),
+            (128, True, 2, 128, 2, 0, 2, 1, "left", "varlen")]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def hopper_builds():
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
-    head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm, *left = variant
+    head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm, *extra = variant
     build = hopper_builds[",".join(map(str, variant))]
     assert "error" not in build, f"triton {hopper_builds['triton']}: {build.get('error')}"
     counts = build["counts"]

@@ -16,12 +16,42 @@ Supported
 * ``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
   (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs).
 * ``naive_attention``: the materialising baseline, same contract as ``attention``.
-* FlashAttention-2's ``flash_attn_func``, ``flash_attn_qkvpacked_func`` and
-  ``flash_attn_kvpacked_func`` (``fmha.flash_attn``): its signatures, (B, S, H, D) layout,
-  ``window_size`` (-1 unbounded) and ``return_attn_probs`` (``(out, softmax_lse, None)``: the third
-  item, the dropout pattern, is None without dropout); no copies.
+* Packed variable-length sequences (varlen): ``varlen_attention(q, k, v, cu_seqlens_q,
+  cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, window, return_lse)`` with q
+  (total_q, Hq, D), k and v (total_k, Hkv, D) and int32 ``cu_seqlens``; causal and windows per
+  sequence (bottom-right), Sq_i != Sk_i, GQA, sequences of length 0 and 1; LSE (Hq, total_q).
+  Forward (the Hopper kernel included) and backward index the packed tensors directly (no
+  padding copies); tiles run from a longest-first list made on the device, so one long sequence
+  among many short ones does not run alone at the end. ``cu_seqlens`` values are checked on the
+  CPU only (on a GPU that costs a synchronisation); the kernels clamp every sequence into the
+  tensors. ``torch.compile(fullgraph=True)`` traces it (``fmha::varlen_forward``,
+  ``fmha::varlen_backward``).
+* FlashAttention-2's ``flash_attn_func``, ``flash_attn_qkvpacked_func``,
+  ``flash_attn_kvpacked_func``, ``flash_attn_varlen_func``, ``flash_attn_varlen_qkvpacked_func``
+  and ``flash_attn_varlen_kvpacked_func`` (``fmha.flash_attn``): its signatures, (B, S, H, D) and
+  THD layouts, ``window_size`` (-1 unbounded) and ``return_attn_probs`` (``(out, softmax_lse,
+  None)``: the third item, the dropout pattern, is None without dropout); no copies.
+* FlashAttention-2's ``flash_attn_with_kvcache`` (``fmha.kvcache``), its signature and semantics:
+  in-place append of new k/v at ``cache_seqlens`` (only those rows are written), contiguous caches
+  or paged ones (``block_table``, any page size >= 1), ``cache_batch_idx``, ``cache_leftpad``,
+  rotary on q and the new keys (interleaved or not, partial rotary dims), causal and
+  ``window_size`` relative to each sequence's length after the append, GQA, any Sq >= 1,
+  ``num_splits`` (0: heuristic), ``return_softmax_lse``. Lengths are read on the device (no host
+  sync), so a decode step can be captured in a CUDA graph; ``torch.compile(fullgraph=True)``
+  traces it (custom ops ``fmha::kvcache_append_attention``, ``fmha::kvcache_attention``). Forward
+  only.
 * ``explain(q, k, v, **kwargs)``: which backend, schedule and config a call would run, where the
   config comes from, and why the other backends refused.
+* PyTorch's flash-attention registry (``fmha.integrations.sdpa``, torch 2.11 or later):
+  ``torch.nn.attention.activate_flash_attention_impl("FMHA")`` (or ``sdpa.activate()``) runs
+  ``aten::_scaled_dot_product_flash_attention``, ``aten::_flash_attention_forward`` (dense and
+  ``cum_seq`` varlen, ``window_size``) and their backwards on fmha: ``F.scaled_dot_product_attention``
+  under the flash backend, ``torch.nn.attention.varlen.varlen_attn`` and PyTorch's context
+  parallelism. A call fmha refuses (dropout, ALiBi, debug mask, paged K/V) runs torch's own
+  kernel, or raises ``NotImplementedError`` with ``strict=True``.
+* Context parallelism on PyTorch's engine (``fmha.distributed``): ``context_parallel`` (torch's,
+  with load balancing set from ``causal``), ``unshard``, and ``attention`` (the ring on local
+  shards, also on CPU tensors with gloo). No sliding windows or varlen there: PyTorch's ring has neither.
 * dtypes float16 and bfloat16; float32 as a slow exact path.
 * Head dims 1 to 256, including non-powers of two (40, 80, 96, 192...).
 * Any Sq, Sk >= 1; empty batch, heads or sequences return empty (or zero) results, as torch's
@@ -53,7 +83,8 @@ Not yet supported (raise ``NotImplementedError``)
   name, refused until their kernels land.
 * SDPA ``attn_mask``, a value head dim different from the query's, and batch dims that differ
   between query and key/value (broadcasting).
-* Varlen (``flash_attn_varlen_func`` and its packed variants raise), paged KV cache, FP8.
+* Paged K/V in ``flash_attn_varlen_func`` (``block_table``), ``softcap`` and ``alibi_slopes`` in
+  ``flash_attn_with_kvcache``, FP8.
 """
 
 from __future__ import annotations
@@ -63,7 +94,7 @@ import dataclasses
 import torch
 
 from . import dispatch, ops
-from .params import attention_params, check_flag
+from .params import attention_params, check_flag, varlen_params
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -118,6 +149,52 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
         out, lse = ops.forward_op(q, k, v, *found[0].options.op_args())
     else:
         out, lse = found[1](q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                     window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, return_lse=False,
+                     deterministic=False):
+    """Attention over packed variable-length sequences (FlashAttention's varlen layout).
+
+    Args:
+        q: (total_q, Hq, D); sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``.
+        k, v: (total_k, Hkv, D), cut by ``cu_seqlens_k``; Hq % Hkv == 0.
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on q's device, starting at 0, ending at the totals.
+            Their values are read on the device and not checked there (that would cost a
+            synchronisation); sequences are clamped into the tensors, so nothing outside them is
+            read or written.
+        max_seqlen_q, max_seqlen_k: the longest sequences (ints), used as tile hints only.
+        causal, window, scale: as in :func:`attention`, per sequence (bottom-right aligned).
+
+    Returns:
+        out (total_q, Hq, D), or ``(out, lse)`` with lse (Hq, total_q) float32 when ``return_lse``.
+    """
+    fn = "fmha.varlen_attention"
+    if return_lse.__class__ is not bool:
+        check_flag(fn, "return_lse", return_lse)
+    try:
+        key = None
+        # Traced calls go straight to the custom op; CPU calls re-check the cu_seqlens values every time.
+        if not torch.compiler.is_compiling() and q.device.type != "cpu":
+            key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+                   v.dtype, q.device, k.device, v.device, cu_seqlens_q.shape, cu_seqlens_k.shape,
+                   cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device, cu_seqlens_k.device,
+                   max_seqlen_q, max_seqlen_q.__class__, max_seqlen_k, max_seqlen_k.__class__,
+                   causal, causal.__class__, scale, scale.__class__, deterministic, deterministic.__class__,
+                   window, softcap, dropout_p, dropout_p.__class__, alibi_slopes is None,
+                   (q.data_ptr() | k.data_ptr() | v.data_ptr() | cu_seqlens_q.data_ptr()
+                    | cu_seqlens_k.data_ptr()) & 15 == 0)
+        params = dispatch.signatures.get(key) if key is not None else None
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable arguments: the checks say why
+        key = params = None
+    if params is None:
+        params = varlen_params(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                               dropout_p=dropout_p, deterministic=deterministic)
+        if key is not None:
+            dispatch.remember(dispatch.signatures, key, params)
+    out, lse = ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params)
     return (out, lse) if return_lse else out
 
 

@@ -95,10 +95,10 @@ class PreparedForward:
 
     def __init__(self, params: AttentionParams, q, k, v):
         self.params = params
-        self.lse_shape = (params.batch, params.q_heads, params.seqlen_q)
+        self.lse_shape = params.lse_shape
         self.device_index = params.device.index if params.device.type == "cuda" else None
         self.empty = params.empty
-        self.no_keys = params.seqlen_k == 0
+        self.no_keys = params.no_keys
         if params.device.type == "meta":  # shapes only (torch.compile's fakes, export, model sizing)
             self.explanation = Explanation("none", None, "meta tensors: shapes only, nothing is launched")
             self.launch, self.no_keys = None, False
@@ -115,8 +115,11 @@ class PreparedForward:
                 self.explanation = choose_forward(params, q, k, v, failed={self.explanation.backend: str(error)})
                 self.launch = BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
 
-    def __call__(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)``; ``out`` keeps q's layout (BSHD stays BSHD) when q is dense."""
+    def __call__(self, q, k, v, *seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)``; ``out`` keeps q's layout (BSHD stays BSHD) when q is dense.
+
+        Packed sequences (varlen) also pass ``cu_seqlens_q, cu_seqlens_k``.
+        """
         out = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
         if self.launch is None:
@@ -126,9 +129,9 @@ class PreparedForward:
         index = self.device_index
         if index is not None and index != torch.cuda.current_device():
             with torch.cuda.device(index):
-                self.launch(q, k, v, out, lse)
+                self.launch(q, k, v, out, lse, *seqlens)
         else:
-            self.launch(q, k, v, out, lse)
+            self.launch(q, k, v, out, lse, *seqlens)
         return out, lse
 
 
@@ -146,17 +149,26 @@ def remember(cache: dict, key, value):
     return value
 
 
-def prepared_forward(params: AttentionParams, q, k, v) -> PreparedForward:
-    """The prepared forward of this call's signature (shapes, strides, options, 16-byte alignment)."""
-    key = (params, q.stride(), k.stride(), v.stride(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
+def prepared_forward(params: AttentionParams, q, k, v, *seqlens) -> PreparedForward:
+    """The prepared forward of this call's signature (shapes, strides, options, 16-byte alignment).
+
+    Packed sequences pass their cu_seqlens too: their alignment is part of the signature.
+    """
+    pointers = q.data_ptr() | k.data_ptr() | v.data_ptr()
+    for cu_seqlens in seqlens:
+        pointers |= cu_seqlens.data_ptr()
+    key = (params, q.stride(), k.stride(), v.stride(), pointers & 15 == 0)
     prepared = _prepared.get(key)
     if prepared is None:
         prepared = remember(_prepared, key, PreparedForward(params, q, k, v))
     return prepared
 
 
-def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None):
-    """``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (the portable backward)."""
+def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, seqlens: tuple = ()):
+    """``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (the portable backward).
+
+    Packed sequences (varlen) pass ``seqlens=(cu_seqlens_q, cu_seqlens_k)``.
+    """
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if params.device.type == "meta":
         return dq, dk, dv
@@ -165,9 +177,9 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None):
     index = params.device.index if params.device.type == "cuda" else None
     if index is not None and index != torch.cuda.current_device():
         with torch.cuda.device(index):
-            BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config)
+            BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config, seqlens)
     else:
-        BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config)
+        BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config, seqlens)
     return dq, dk, dv
 
 

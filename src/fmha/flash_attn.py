@@ -3,14 +3,15 @@
 Code written for ``flash_attn`` runs unchanged: ``from fmha import flash_attn_func``. The tensors
 are viewed as (B, H, S, D) without copies, and the output comes back in q's layout.
 ``window_size=(-1, -1)`` is unbounded; ``causal=True`` sets the right side to 0. The varlen
-functions (packed sequences) are not built yet and raise ``NotImplementedError``.
+functions take packed sequences (THD layout, int32 ``cu_seqlens``) through
+:func:`fmha.api.varlen_attention`, indexing the packed tensors directly.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .api import attention
+from .api import attention, varlen_attention
 
 
 def _window(fn: str, window_size) -> tuple[int | None, int | None] | None:
@@ -84,26 +85,65 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                   return_attn_probs)
 
 
-def _varlen_not_built(fn: str):
-    raise NotImplementedError(f"{fn}: packed variable-length sequences (cu_seqlens) are not supported yet")
+def _check_thd(fn: str, **tensors) -> None:
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.ndim != 3:
+            raise ValueError(f"{fn}: {name} must be 3-D (total_tokens, heads, head_dim), "
+                             f"got shape {tuple(tensor.shape)}")
+
+
+def _flash_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
+    _check_thd(fn, q=q, k=k, v=v)
+    softcap = None if softcap == 0.0 else softcap
+    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                scale=softmax_scale, window=_window(fn, window_size), softcap=softcap,
+                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
+                                return_lse=True)
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
-    """``flash_attn_varlen_func`` (THD layout, int32 ``cu_seqlens``): not built yet."""
-    _varlen_not_built("fmha.flash_attn_varlen_func")
+    """``flash_attn_varlen_func``: packed sequences in the THD layout.
+
+    q is (total_q, Hq, D), k and v (total_k, Hkv, D); sequence b is rows
+    ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, batch + 1 entries). Causal and window_size are per
+    sequence, bottom-right aligned. Returns out (total_q, Hq, D), or ``(out, softmax_lse, None)``
+    with ``return_attn_probs=True``: softmax_lse is (Hq, total_q) float32, as in FlashAttention-2.
+    ``block_table`` (paged K/V) raises ``NotImplementedError`` for now.
+    """
+    fn = "fmha.flash_attn_varlen_func"
+    if block_table is not None:
+        raise NotImplementedError(f"{fn}: block_table (paged K/V) is not supported yet")
+    return _flash_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
-    """``flash_attn_varlen_qkvpacked_func``: not built yet."""
-    _varlen_not_built("fmha.flash_attn_varlen_qkvpacked_func")
+    """``flash_attn_varlen_qkvpacked_func``: qkv (total, 3, H, D); as :func:`flash_attn_varlen_func`."""
+    fn = "fmha.flash_attn_varlen_qkvpacked_func"
+    if not isinstance(qkv, torch.Tensor) or qkv.ndim != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"{fn}: qkv must be a (total_tokens, 3, heads, head_dim) tensor, "
+                         f"got {tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
+    q, k, v = qkv.unbind(1)
+    return _flash_varlen(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                         causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """``flash_attn_varlen_kvpacked_func``: not built yet."""
-    _varlen_not_built("fmha.flash_attn_varlen_kvpacked_func")
+    """``flash_attn_varlen_kvpacked_func``: kv (total_k, 2, Hkv, D); as :func:`flash_attn_varlen_func`."""
+    fn = "fmha.flash_attn_varlen_kvpacked_func"
+    if not isinstance(kv, torch.Tensor) or kv.ndim != 4 or kv.shape[1] != 2:
+        raise ValueError(f"{fn}: kv must be a (total_tokens, 2, heads, head_dim) tensor, "
+                         f"got {tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
+    k, v = kv.unbind(1)
+    return _flash_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)

@@ -25,7 +25,7 @@ from .runtime import INTERPRETED
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-LAYOUTS = ("dense",)  # "varlen" and "paged" come with their issues
+LAYOUTS = ("dense", "varlen")  # "paged" comes with the KV-cache issue
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,12 @@ def options_schema() -> str:
 
 @dataclass(frozen=True, slots=True)
 class AttentionParams:
-    """A validated call: q is (batch, q_heads, seqlen_q, head_dim), k and v (batch, kv_heads, seqlen_k, head_dim)."""
+    """A validated call: q is (batch, q_heads, seqlen_q, head_dim), k and v (batch, kv_heads, seqlen_k, head_dim).
+
+    Packed sequences (``options.layout == "varlen"``): q is (total_q, q_heads, head_dim), k and v
+    (total_k, kv_heads, head_dim), ``batch`` sequences cut by ``cu_seqlens``; seqlen_q and
+    seqlen_k are the caller's max_seqlen hints (tile choice only: the kernels read the lengths).
+    """
 
     batch: int
     q_heads: int
@@ -89,6 +94,12 @@ class AttentionParams:
     dtype: torch.dtype
     device: torch.device
     options: AttentionOptions
+    total_q: int = 0
+    total_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.options.layout == "varlen"
 
     @property
     def group(self) -> int:
@@ -105,12 +116,32 @@ class AttentionParams:
 
     @property
     def empty(self) -> bool:
-        return self.batch * self.q_heads * self.seqlen_q * self.head_dim == 0
+        rows = self.total_q if self.varlen else self.batch * self.seqlen_q
+        return rows * self.q_heads * self.head_dim == 0
+
+    @property
+    def no_keys(self) -> bool:
+        return (self.total_k if self.varlen else self.seqlen_k) == 0
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        """(B, Hq, Sq); packed sequences: (Hq, total_q), as FlashAttention's varlen functions."""
+        if self.varlen:
+            return (self.q_heads, self.total_q)
+        return (self.batch, self.q_heads, self.seqlen_q)
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, options: AttentionOptions) -> "AttentionParams":
         batch, q_heads, seqlen_q, head_dim = q.shape
         return cls(batch, q_heads, k.shape[1], seqlen_q, k.shape[2], head_dim, q.dtype, q.device, options)
+
+    @classmethod
+    def packed(cls, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, options: AttentionOptions) -> "AttentionParams":
+        """Packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), ``options.layout == "varlen"``."""
+        total_q, q_heads, head_dim = q.shape
+        return cls(cu_seqlens_q.shape[0] - 1, q_heads, k.shape[1], max_seqlen_q, max_seqlen_k, head_dim, q.dtype,
+                   q.device, options, total_q, k.shape[0])
 
 
 def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
@@ -232,6 +263,61 @@ def attention_params(fn: str, q, k, v, *, causal=False, scale=None, window=None,
                                top_left=top_left, dropout_p=dropout_p, deterministic=deterministic,
                                backend=backend or chosen, config=config_ints)
     return AttentionParams.of(q, k, options)
+
+
+def _check_cu_seqlens(fn: str, name: str, cu_seqlens, device: torch.device, total: int, tokens: str) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{fn}: {name} must be int32 (as in FlashAttention), got {cu_seqlens.dtype}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(f"{fn}: {name} must be 1-D with batch + 1 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{fn}: {name} is on {cu_seqlens.device} and {tokens} on {device}; they must share a device")
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
+        # The values can be read for free here (the interpreter); on a GPU that would cost a
+        # synchronisation per call, and the kernels clamp every sequence into the tensor instead.
+        values = cu_seqlens.tolist()
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != total:
+            raise ValueError(f"{fn}: {name} must start at 0, never decrease and end at {total} (the tokens "
+                             f"in {tokens}), got {values}")
+
+
+def _check_max_seqlen(fn: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{fn}: {name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def varlen_params(fn: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                  scale=None, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, deterministic=False,
+                  names=("q", "k", "v")) -> AttentionParams:
+    """Validate a packed-sequence call: q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 cu_seqlens."""
+    for name, tensor in zip(names, (q, k, v)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.ndim != 3:
+            raise ValueError(f"{fn}: {name} must be 3-D (total_tokens, heads, head_dim), "
+                             f"got {tensor.ndim}-D with shape {tuple(tensor.shape)}")
+    # The packed tensors viewed as one batch of (1, H, total, D): the dense checks apply.
+    check_qkv(fn, *(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), names=names)
+    _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.device, q.shape[0], names[0])
+    _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, q.device, k.shape[0], names[1])
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+                         f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    max_seqlen_q = _check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k)
+    causal = check_flag(fn, "causal", causal)
+    check_flag(fn, "deterministic", deterministic)
+    left, right = check_window(fn, window)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    check_not_yet(fn, softcap=softcap, alibi_slopes=alibi_slopes)
+    dropout_p = check_dropout(fn, dropout_p)
+    options = AttentionOptions(scale=check_scale(fn, scale, q.shape[2]), window_left=left, window_right=right,
+                               layout="varlen", dropout_p=dropout_p, deterministic=deterministic)
+    return AttentionParams.packed(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, options)
 
 
 # The annotations above are strings (``from __future__ import annotations``); the schema map reads them.

@@ -24,7 +24,8 @@ import torch
 
 from .masking import Window, window_of
 
-__all__ = ["causal_offset", "online_attention", "direct_attention", "dense_attention"]
+__all__ = ["causal_offset", "online_attention", "direct_attention", "dense_attention", "rotary_embedding",
+           "kvcache_sequences", "kvcache_attention"]
 
 
 def causal_offset(seqlen_q: int, seqlen_k: int, alignment: str = "bottom_right") -> int:
@@ -142,3 +143,96 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=
     if not outs:  # Sq == 0
         return q.new_zeros(batch, heads, 0, v.shape[-1]), q.new_zeros(batch, heads, 0)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                     interleaved: bool) -> torch.Tensor:
+    """``x`` (S, H, D) rotated at ``positions`` (S,) in float64: FlashAttention's rotary embedding.
+
+    cos and sin are (rows, R / 2); the first R features rotate in pairs (2i, 2i + 1) when
+    ``interleaved``, else (i, i + R / 2) (GPT-NeoX); the rest pass through.
+    """
+    half = cos.shape[1]
+    cos = cos[positions].double()[:, None, :]  # (S, 1, R / 2)
+    sin = sin[positions].double()[:, None, :]
+    x = x.double()
+    rotated, rest = x[..., :2 * half], x[..., 2 * half:]
+    if interleaved:
+        first, second = rotated[..., 0::2], rotated[..., 1::2]
+        pairs = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+        rotated = pairs.flatten(-2)
+    else:
+        first, second = rotated[..., :half], rotated[..., half:]
+        rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return torch.cat((rotated, rest), dim=-1)
+
+
+def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None, causal=False,
+                      window_size=(-1, -1), rotary_interleaved=True):
+    """What ``fmha.flash_attn_with_kvcache`` attends, spelled out one sequence at a time.
+
+    Returns ``(k_cache, v_cache, sequences)``: copies of the caches after the append, and per
+    sequence ``(q, k, v, window)``: q (1, Hq, Sq, D) after rotary, k and v (1, Hkv, Sk_b, D) read
+    from the cache, in the inputs' dtype (rotated values rounded to it, as stored), and the
+    :class:`Window` of its keys. Sequence b holds cache positions [leftpad_b, cache_seqlens_b + S_new);
+    query i sits at key position i + Sk_b - Sq.
+    """
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    device = k_cache.device
+    batch, seqlen_q = q.shape[:2]
+    new_keys = 0 if k is None else k.shape[1]
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if block_table is not None else k_cache.shape[1]
+    if cache_seqlens is None:
+        cached = [capacity] * batch
+    elif isinstance(cache_seqlens, int):
+        cached = [cache_seqlens] * batch
+    else:
+        cached = cache_seqlens.tolist()
+    left, right = (None if side == -1 else side for side in window_size)
+    if causal:
+        right = 0
+    left = None if left is not None and left >= capacity else left
+    right = None if right is not None and right >= capacity else right
+
+    def slots(b, positions):
+        if block_table is not None:
+            return block_table[b].long()[positions // page_size], positions % page_size
+        cache_b = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        return torch.full_like(positions, cache_b), positions
+
+    sequences = []
+    for b in range(batch):
+        if k is not None:
+            positions = torch.arange(cached[b], cached[b] + new_keys, device=device)
+            k_new = k[b] if rotary_cos is None else rotary_embedding(k[b], rotary_cos, rotary_sin, positions,
+                                                                     rotary_interleaved)
+            major, minor = slots(b, positions)
+            k_cache[major, minor] = k_new.to(k_cache.dtype)
+            v_cache[major, minor] = v[b]
+        q_b = q[b]
+        if rotary_cos is not None:
+            rows = torch.arange(seqlen_q, device=device)
+            if left is None and right is None:  # FlashAttention puts every query at cache_seqlens
+                rows = torch.zeros_like(rows)
+            q_b = rotary_embedding(q_b, rotary_cos, rotary_sin, cached[b] + rows, rotary_interleaved).to(q.dtype)
+        leftpad = 0 if cache_leftpad is None else int(cache_leftpad[b])
+        major, minor = slots(b, torch.arange(leftpad, cached[b] + new_keys, device=device))
+        keys, values = k_cache[major, minor], v_cache[major, minor]
+        window = Window(keys.shape[0] - seqlen_q, left, right)
+        sequences.append((q_b.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], window))
+    return k_cache, v_cache, sequences
+
+
+def kvcache_attention(q, k_cache, v_cache, *, softmax_scale=None, **kwargs):
+    """The float64 truth of ``fmha.flash_attn_with_kvcache``: ``(out (B, Sq, Hq, D), lse (B, Hq, Sq),
+    k_cache, v_cache)``, the caches after the append (copies). Keyword arguments as
+    :func:`kvcache_sequences`."""
+    k_cache, v_cache, sequences = kvcache_sequences(q, k_cache, v_cache, **kwargs)
+    outs, lses = [], []
+    for q_b, k_b, v_b, window in sequences:
+        out, lse = dense_attention(q_b, k_b, v_b, scale=softmax_scale, window=window)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses), k_cache, v_cache

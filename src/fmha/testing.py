@@ -5,6 +5,8 @@
   (:func:`assert_close_to_reference`, :func:`assert_grads_close`); NaN never passes.
 * :func:`relative_error` (against float64) and :func:`time_ms` (``do_bench`` median, CUDA graphs
   for launch-bound calls).
+* :func:`random_kvcache` and :func:`check_kvcache`: a ``flash_attn_with_kvcache`` call's inputs
+  (contiguous or paged caches, ragged lengths) and its check against the float64 reference.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .masking import Window, visible_mask, window_of
-from .reference import dense_attention
+from .reference import dense_attention, kvcache_sequences
 
 # Below this, host-side launch time can show up in stream timing (the GPU waits for the CPU):
 # replay a CUDA graph instead, which measures the GPU alone. The threshold is above 50 µs because
@@ -129,3 +131,60 @@ def time_ms(fn) -> tuple[float, str]:
     if ms < CUDA_GRAPH_THRESHOLD_MS:
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"), "cuda_graph"
     return ms, "do_bench"
+
+
+def random_kvcache(batch, seqlen_q, q_heads, kv_heads, head_dim, capacity, *, new_keys=1, dtype=torch.float16,
+                   device="cpu", page_size=None, rotary_dim=0, lengths=None, seed=0) -> dict:
+    """Keyword arguments of a ``flash_attn_with_kvcache`` call, drawn fresh (every cache slot is
+    random, so stray reads and writes show).
+
+    ``lengths`` (default: random, leaving room for ``new_keys``) become the int32 cache_seqlens.
+    With ``page_size`` the caches are pages in a shuffled block table, plus spare pages no
+    sequence owns; ``rotary_dim`` adds cos/sin tables covering the cache.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    if lengths is None:
+        lengths = torch.randint(0, capacity - new_keys + 1, (batch,), generator=generator)
+    case = dict(q=randn(batch, seqlen_q, q_heads, head_dim),
+                cache_seqlens=torch.as_tensor(lengths, dtype=torch.int32).to(device))
+    if page_size is None:
+        case["k_cache"], case["v_cache"] = (randn(batch, capacity, kv_heads, head_dim) for _ in range(2))
+    else:
+        blocks = -(-capacity // page_size)
+        pages = batch * blocks + 3
+        table = torch.randperm(pages, generator=generator)[:batch * blocks].reshape(batch, blocks)
+        case["block_table"] = table.to(device=device, dtype=torch.int32)
+        case["k_cache"], case["v_cache"] = (randn(pages, page_size, kv_heads, head_dim) for _ in range(2))
+    if new_keys:
+        case["k"], case["v"] = (randn(batch, new_keys, kv_heads, head_dim) for _ in range(2))
+    if rotary_dim:
+        rows = -(-capacity // page_size) * page_size if page_size else capacity
+        angle = torch.rand(rows, rotary_dim // 2, generator=generator) * 2 * torch.pi
+        case["rotary_cos"], case["rotary_sin"] = (t.to(device=device, dtype=dtype) for t in (angle.cos(), angle.sin()))
+    return case
+
+
+def check_kvcache(flash_attn_with_kvcache, case: dict, **options):
+    """Run ``flash_attn_with_kvcache(**case, **options)`` (fmha's, or any with FlashAttention's API;
+    the caches change in place) and hold it to the reference: the caches exactly (rotated keys
+    within one rounding), and each sequence's output and LSE by the error rule. Returns ``(out, lse)``."""
+    semantics = {name: options[name] for name in ("causal", "window_size", "rotary_interleaved") if name in options}
+    k_expected, v_expected, sequences = kvcache_sequences(**case, **semantics)
+    out, lse = flash_attn_with_kvcache(**case, return_softmax_lse=True, **options)
+    q = case["q"]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    if "rotary_cos" in case:
+        tolerance = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[q.dtype]  # one rounding
+        torch.testing.assert_close(case["k_cache"], k_expected, rtol=tolerance, atol=tolerance)
+    else:
+        assert torch.equal(case["k_cache"], k_expected), "k_cache differs from the expected append"
+    assert torch.equal(case["v_cache"], v_expected), "v_cache differs from the expected append"
+    for b, (q_b, k_b, v_b, window) in enumerate(sequences):
+        assert_close_to_reference(out[b].transpose(0, 1)[None], q_b, k_b, v_b, window=window,
+                                  scale=options.get("softmax_scale"), lse=lse[b][None])
+    return out, lse

@@ -79,12 +79,24 @@ def shape_argument(text: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _suite_epilog() -> list[str]:
-    from fmha.tools.bench.cases import SHAPE_EXAMPLE, SHAPE_FORM, suite_lines
+def plain_shape_argument(text: str):
+    """argparse ``type`` of ``fmha tune --shape``: tuning keys are plain attention, without features."""
+    case = shape_argument(text)
+    if case.features:
+        raise argparse.ArgumentTypeError(f"{text!r}: fmha tune tunes plain attention; drop {', '.join(case.features)}")
+    return case
 
-    return (["suites (--suite):"] + [f"  {line}" for line in suite_lines()]
-            + [f"--shape {SHAPE_FORM}, e.g. {SHAPE_EXAMPLE}: one case (repeat for more); it replaces the",
-               "  default suites unless --suite is given too. Hq must be a multiple of Hkv, D within 1..256."])
+
+def _suite_epilog(command: str = "bench") -> list[str]:
+    from fmha.tools.bench.cases import PLAIN_SUITES, SHAPE_EXAMPLE, SHAPE_FORM, SHAPE_OPTIONS, SUITES, suite_lines
+
+    names = PLAIN_SUITES if command == "tune" else tuple(SUITES)
+    lines = (["suites (--suite):"] + [f"  {line}" for line in suite_lines(names)]
+             + [f"--shape {SHAPE_FORM}, e.g. {SHAPE_EXAMPLE}: one case (repeat for more); it replaces the",
+                "  default suites unless --suite is given too. Hq must be a multiple of Hkv, D within 1..256."])
+    if command != "tune":
+        lines.append(f"  Features follow as options: {SHAPE_OPTIONS}.")
+    return lines
 
 
 def _provider_epilog() -> list[str]:
@@ -96,25 +108,29 @@ def _provider_epilog() -> list[str]:
 
 def listing(command: str) -> list[str]:
     """``--list``: every suite with its cases (as --shape takes them), and the providers."""
-    from fmha.tools.bench.cases import SUITES, suite_lines
+    from fmha.tools.bench.cases import PLAIN_SUITES, SUITES, suite_lines
 
+    names = PLAIN_SUITES if command == "tune" else tuple(SUITES)
     lines = ["suites (--suite):"]
-    for function, line in zip(SUITES.values(), suite_lines()):
+    for name, line in zip(names, suite_lines(names)):
         lines.append(f"  {line}")
-        lines += [f"    {case.label:<32} --shape {case.shape_text}" for case in function()]
+        lines += [f"    {case.label:<32} --shape {case.shape_text}" for case in SUITES[name]()]
     if command != "tune":
         lines += _provider_epilog()
     return lines
 
 
-def _add_case_options(parser: argparse.ArgumentParser, default_suites: list[str], listed: str) -> None:
-    from fmha.tools.bench.cases import SHAPE_FORM, SUITES
+def _add_case_options(parser: argparse.ArgumentParser, default_suites: list[str], listed: str,
+                      plain: bool = False) -> None:
+    from fmha.tools.bench.cases import PLAIN_SUITES, SHAPE_FORM, SUITES
 
     parser.set_defaults(default_suites=default_suites)
-    parser.add_argument("--suite", nargs="*", default=None, choices=sorted(SUITES), metavar="SUITE",
+    suites = sorted(PLAIN_SUITES if plain else SUITES)
+    parser.add_argument("--suite", nargs="*", default=None, choices=suites, metavar="SUITE",
                         help=f"named sets of cases, listed below (default: {' '.join(default_suites)}; none when "
                              "--shape is given; a bare --suite selects none)")
-    parser.add_argument("--shape", action="append", default=None, type=shape_argument, metavar=SHAPE_FORM,
+    parser.add_argument("--shape", action="append", default=None,
+                        type=plain_shape_argument if plain else shape_argument, metavar=SHAPE_FORM,
                         help="a custom case (repeat for more); replaces the default suites")
     parser.add_argument("--list", action="store_true", help=f"print {listed}, then exit")
 
@@ -137,7 +153,7 @@ def _add_run_options(parser: argparse.ArgumentParser, default_suites: list[str])
 
 
 def _add_tune_options(parser: argparse.ArgumentParser) -> None:
-    _add_case_options(parser, ["seeds", "std"], "every suite's cases")
+    _add_case_options(parser, ["seeds", "std"], "every suite's cases", plain=True)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype (default: bf16)")
     parser.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "all"],
                         help="tune the forward, the backward or both (each has its own keys; default: fwd)")
@@ -173,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time the portable kernel's tile configs (and, on sm_90, the Hopper schedules) for each "
                     "tuning key of the cases, and store the winners in the cache (needs a CUDA GPU; "
                     "--dry-run does not).",
-        epilog="\n".join(_suite_epilog()))
+        epilog="\n".join(_suite_epilog("tune")))
     _add_tune_options(tune)
     return parser
 

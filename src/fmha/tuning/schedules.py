@@ -4,7 +4,7 @@
 GPU of it (docs/perf.md, "The Hopper kernel"). A rule's ``when`` tests the call; the first rule
 that matches gives the schedule, or ``null`` for the portable kernel. Conditions:
 
-* ``head_dim``, ``causal`` (a right window bound): equal;
+* ``head_dim``, ``causal`` (a right window bound), ``varlen`` (packed sequences): equal;
 * ``seqlen_q_from`` / ``seqlen_q_below``: the query length is at least / under;
 * ``flops_below``: 4·B·Hq·Sq·Sk·D is under (the 128-row tiles would idle);
 * ``tiles_per_sm_below``: 128-row tiles per multiprocessor are under (the grid would not fill the GPU).
@@ -44,6 +44,7 @@ def _matches(when: dict, params: AttentionParams, multiprocessors: int) -> bool:
     tests = {
         "head_dim": lambda value: params.head_dim == value,
         "causal": lambda value: params.causal == value,
+        "varlen": lambda value: params.varlen == value,
         "seqlen_q_from": lambda value: params.seqlen_q >= value,
         "seqlen_q_below": lambda value: params.seqlen_q < value,
         "flops_below": lambda value: flops < value,
@@ -62,4 +63,4 @@ def shipped_schedule(params: AttentionParams, architecture: str,
 
 
 def rule_conditions() -> tuple[str, ...]:
-    return ("head_dim", "causal", "seqlen_q_from", "seqlen_q_below", "flops_below", "tiles_per_sm_below")
+    return ("head_dim", "causal", "varlen", "seqlen_q_from", "seqlen_q_below", "flops_below", "tiles_per_sm_below")

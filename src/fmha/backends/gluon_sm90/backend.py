@@ -59,9 +59,11 @@ class HopperBackend:
             return f"head dim {params.head_dim} is not built (64 or 128)"
         if options.scale <= 0:
             return "needs a positive scale (it is folded into exp2 after the row max)"
-        if options.layout != "dense":
+        if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
         for name, tensor in zip("qkv", (q, k, v)):
+            if params.varlen:  # packed (total, H, D): described as (1, H, total, D)
+                tensor = tensor.unsqueeze(0).transpose(1, 2)
             if not _tma_strides_ok(tensor):
                 return f"{name}'s strides or base address cannot be described to TMA (16-byte multiples, unit last stride)"
         return gluon_unavailable()

@@ -29,7 +29,9 @@ relative error 1e-4, far below the 16-bit rounding of P) instead of the MUFU uni
 results per clock per multiprocessor otherwise pace the softmax at head dim 64.
 
 Rows past the end of a sequence load as zeros and are never stored (the descriptors carry the
-bounds). A tile walks only the key blocks its rows can see (:mod:`fmha.backends.gluon_sm90.masking`:
+bounds). Packed sequences (varlen) share one descriptor: a tile's rows past its sequence read the
+next sequence's tokens, which the mask hides, and a tile that ends past its sequence stores its
+rows without the bulk copy. A tile walks only the key blocks its rows can see (:mod:`fmha.backends.gluon_sm90.masking`:
 a left and a right bound, each optional); keys past the end and outside the window in the edge
 blocks are masked to -inf.
 """
@@ -45,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...compat import tma_load, tma_store
-from .masking import key_blocks, visible
+from .masking import key_blocks, sequence_span, visible
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 CONSUMER_WARPS = gl.constexpr(4)
@@ -130,9 +132,10 @@ def _exp2(x, EMULATED_EXP2: gl.constexpr):
 
 
 @gluon.jit
-def _paired(num_tiles, HAS_RIGHT: gl.constexpr):
-    """Whether this launch walks causal tiles in pairs: persistent (fewer programs than tiles) and causal."""
-    if HAS_RIGHT:
+def _paired(num_tiles, HAS_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+    """Whether this launch walks causal tiles in pairs: persistent (fewer programs than tiles) and
+    causal. Packed sequences take their tiles from the longest-first list instead."""
+    if HAS_RIGHT and not VARLEN:
         paired = gl.num_programs(0) < num_tiles
     else:
         paired = False
@@ -140,12 +143,12 @@ def _paired(num_tiles, HAS_RIGHT: gl.constexpr):
 
 
 @gluon.jit
-def _program_steps(num_tiles, HAS_RIGHT: gl.constexpr):
+def _program_steps(num_tiles, HAS_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     """How many tiles this program walks."""
     programs = gl.num_programs(0)
     program = gl.program_id(0)
     steps = gl.cdiv(num_tiles - program, programs)
-    if _paired(num_tiles, HAS_RIGHT):
+    if _paired(num_tiles, HAS_RIGHT, VARLEN):
         # Pairs program, program + P, ... of cdiv(num_tiles, 2); the last pair of an odd count is one tile.
         num_pairs = (num_tiles + 1) // 2
         slots = gl.cdiv(num_pairs - program, programs)
@@ -170,7 +173,7 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
     tile = gl.program_id(0) + step * programs
     m_block = tile % num_m_blocks
     if HAS_RIGHT:
-        if _paired(num_tiles, HAS_RIGHT):
+        if _paired(num_tiles, HAS_RIGHT, False):
             tile = 2 * (gl.program_id(0) + (step // 2) * programs) + step % 2
             local = tile % num_m_blocks
             if local % 2 == 0:
@@ -184,48 +187,89 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
     first_row = m_block * BLOCK_M
     # Key blocks [start, end): [start, full_start) and [full_end, end) need the mask, the others not.
     blocks = key_blocks(first_row, BLOCK_M, seqlen_k, lo, hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    return batch_head // num_q_heads, head, head // group_size, batch_head, first_row, blocks
+    return batch_head // num_q_heads, head, head // group_size, first_row, blocks
+
+
+@gluon.jit
+def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+          VARLEN: gl.constexpr):
+    """The program's step-th tile: ``(valid, batch, head, kv_head, first_row, q_start, k_start,
+    seqlen_q, seqlen_k, lo, hi, key blocks)``, its sequence's lengths and window in its own rows.
+
+    Packed sequences (VARLEN): ``sequences`` holds cu_seqlens_q, cu_seqlens_k and the tile list
+    (:mod:`fmha.backends.triton.varlen`); tile t is entry t % E of its E entries for head t // E
+    (a head's tiles side by side share its K/V in L2); seqlen_q and
+    seqlen_k arrive as the packed totals, lo and hi without the sequence's Sk - Sq. Entries past
+    the list's end are not valid. Dense tiles start at token 0 of their batch."""
+    if VARLEN:
+        cu_seqlens_q, cu_seqlens_k, tiles = sequences
+        tile = gl.program_id(0) + step * gl.num_programs(0)
+        entries = num_tiles // num_q_heads
+        entry = tile % entries
+        head = tile // entries
+        seq = gl.load(tiles + 2 * entry)
+        first_row = gl.load(tiles + 2 * entry + 1) * BLOCK_M
+        q_start, seq_q = sequence_span(cu_seqlens_q, gl.maximum(seq, 0), seqlen_q)
+        k_start, seq_k = sequence_span(cu_seqlens_k, gl.maximum(seq, 0), seqlen_k)
+        seq_lo = lo + seq_k - seq_q
+        seq_hi = hi + seq_k - seq_q
+        blocks = key_blocks(first_row, BLOCK_M, seq_k, seq_lo, seq_hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        # Packed tensors are viewed as one batch of (1, H, total, D).
+        return seq >= 0, 0, head, head // group_size, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks
+    else:
+        batch, head, kv_head, first_row, blocks = _tile_coordinates(
+            step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi,
+            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        return True, batch, head, kv_head, first_row, 0, 0, seqlen_q, seqlen_k, lo, hi, blocks
 
 
 @gluon.jit
 def _load_partition(
     args,  # unpacked below
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    CONSUMERS: gl.constexpr,
+    CONSUMERS: gl.constexpr, VARLEN: gl.constexpr,
 ):
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
-     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi) = args
+    if VARLEN:
+        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, sequences) = args
+    else:
+        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi) = args
+        seqlen_q = 0  # not read: dense tiles come from num_m_blocks
+        sequences = None
     consumer_rows: gl.constexpr = q_desc.block_type.shape[2]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     ring_position = 0  # K/V blocks loaded so far, over all tiles: slot and phase of the next one
     tile_count = 0
-    for step in range(_program_steps(num_tiles, HAS_RIGHT)):
-        batch, head, kv_head, batch_head, first_row, blocks = _tile_coordinates(
-            step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi,
-            CONSUMERS * consumer_rows, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        start, _, _, end = blocks
-        q_phase = (tile_count // Q_BUFFERS) & 1
-        for consumer in gl.static_range(CONSUMERS):
-            q_slot = consumer * Q_BUFFERS + tile_count % Q_BUFFERS
-            # A free barrier completes once per use; the first wait finds it free.
-            mbarrier.wait(q_free.index(q_slot), q_phase ^ 1)
-            mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
-            tma_load(q_desc, [batch, head, first_row + consumer * consumer_rows, 0],
-                     q_ready.index(q_slot), q_smem.index(q_slot))
-        for block in range(start, end):
-            position = ring_position + block - start
-            slot = position % STAGES
-            free_phase = ((position // STAGES) & 1) ^ 1
-            mbarrier.wait(k_free.index(slot), free_phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [batch, kv_head, block * BLOCK_N, 0],
-                     k_ready.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_free.index(slot), free_phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [batch, kv_head, block * BLOCK_N, 0],
-                     v_ready.index(slot), v_smem.index(slot))
-        ring_position += end - start
-        tile_count += 1
+    for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
+        valid, batch, head, kv_head, first_row, q_start, k_start, _, _, _, _, blocks = _tile(
+            step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
+            CONSUMERS * consumer_rows, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN)
+        if valid:
+            start, _, _, end = blocks
+            q_phase = (tile_count // Q_BUFFERS) & 1
+            for consumer in gl.static_range(CONSUMERS):
+                q_slot = consumer * Q_BUFFERS + tile_count % Q_BUFFERS
+                # A free barrier completes once per use; the first wait finds it free.
+                mbarrier.wait(q_free.index(q_slot), q_phase ^ 1)
+                mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
+                tma_load(q_desc, [batch, head, q_start + first_row + consumer * consumer_rows, 0],
+                         q_ready.index(q_slot), q_smem.index(q_slot))
+            for block in range(start, end):
+                position = ring_position + block - start
+                slot = position % STAGES
+                free_phase = ((position // STAGES) & 1) ^ 1
+                mbarrier.wait(k_free.index(slot), free_phase)
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                tma_load(k_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
+                         k_ready.index(slot), k_smem.index(slot))
+                mbarrier.wait(v_free.index(slot), free_phase)
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                tma_load(v_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
+                         v_ready.index(slot), v_smem.index(slot))
+            ring_position += end - start
+            tile_count += 1
 
 
 @gluon.jit
@@ -305,13 +349,48 @@ def _pipelined_blocks(
 
 
 @gluon.jit
+def _store_output(out, staging, o_desc, coordinates):
+    """A tile of the output through shared memory and a bulk tensor store."""
+    tma.store_wait(0)  # the previous tile's output has left the staging buffer
+    staging.reshape(out.shape).store(out)
+    fence_async_shared()
+    tma_store(o_desc, coordinates, staging)
+
+
+@gluon.jit
+def _store_rows(out, staging, base, stride_row, row0, num_rows):
+    """Rows row0 + i < num_rows of a tile, through the staging buffer (no room for another) and
+    plain stores."""
+    ROWS: gl.constexpr = out.shape[0]
+    COLUMNS: gl.constexpr = out.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    tma.store_wait(0)  # the previous tile's output has left the staging buffer
+    staging = staging.reshape(out.shape)
+    staging.store(out)
+    gl.thread_barrier()  # every row is in shared memory before any thread reads another's
+    out = staging.load(layout)
+    gl.thread_barrier()  # and read before the next tile writes the buffer again
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    columns = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
+    pointers = base + rows.to(gl.int64)[:, None] * stride_row + columns[None, :]
+    gl.store(pointers, out, mask=rows[:, None] < num_rows)
+
+
+@gluon.jit
 def _consumer_partition(
     shared,  # the runtime arguments every consumer gets, unpacked below
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
-    (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-     num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale) = shared
+    if VARLEN:  # also the sequences, and the output's pointer and strides
+        (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, packed) = shared
+        sequences, Out, stride_lh, stride_om, stride_oh = packed
+    else:
+        (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale) = shared
+        sequences = None
     dtype: gl.constexpr = o_desc.dtype
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
     s_layout: gl.constexpr = _accumulator_layout(BLOCK_N)
@@ -323,85 +402,99 @@ def _consumer_partition(
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     ring_position = 0
     tile_count = 0
-    for step in range(_program_steps(num_tiles, HAS_RIGHT)):
-        batch, head, kv_head, batch_head, first_row, blocks = _tile_coordinates(
-            step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi,
-            CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        start, full_start, full_end, end = blocks
-        ring_base = ring_position - start  # key block b sits at ring position ring_base + b
-        row0 = first_row + CONSUMER * ROWS
-        rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
-        row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-        row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
-        mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
-        q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
-        if end > start:
-            # The first block: scores and probabilities; its P·V is issued with the next block's Q·Kᵀ.
-            slot = ring_position % STAGES
-            mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
-            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
-            scores = warpgroup_mma(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
-                                   use_acc=False, is_async=True)
-            scores = warpgroup_mma_wait(0, deps=(scores,))
-            mbarrier.arrive(k_free.index(slot), count=1)
-            probs, row_max, row_sum = _softmax_first_block(
-                scores, rows, keys0, start * BLOCK_N, seqlen_k, lo, hi, qk_scale,
-                (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
-            # Blocks wholly visible to every row run without masks; the window's edges and the end
-            # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
-            unmasked_start = gl.maximum(full_start, start + 1)
-            unmasked_end = gl.maximum(full_end, unmasked_start)
-            if HAS_LEFT:
+    for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
+        valid, batch, head, kv_head, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks = _tile(
+            step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
+            CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN)
+        if valid:
+            start, full_start, full_end, end = blocks
+            ring_base = ring_position - start  # key block b sits at ring position ring_base + b
+            row0 = first_row + CONSUMER * ROWS
+            rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
+            row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+            row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
+            mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
+            q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
+            if end > start:
+                # The first block: scores and probabilities; its P·V is issued with the next block's Q·Kᵀ.
+                slot = ring_position % STAGES
+                mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
+                k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+                scores = warpgroup_mma(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
+                                       use_acc=False, is_async=True)
+                scores = warpgroup_mma_wait(0, deps=(scores,))
+                mbarrier.arrive(k_free.index(slot), count=1)
+                probs, row_max, row_sum = _softmax_first_block(
+                    scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale,
+                    (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
+                # Blocks wholly visible to every row run without masks; the window's edges and the end
+                # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
+                unmasked_start = gl.maximum(full_start, start + 1)
+                unmasked_end = gl.maximum(full_end, unmasked_start)
+                if HAS_LEFT:
+                    acc, probs, row_max, row_sum = _pipelined_blocks(
+                        acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                        rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
+                        HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
                 acc, probs, row_max, row_sum = _pipelined_blocks(
                     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                    rows, keys0, ring_base, start + 1, unmasked_start, seqlen_k, lo, hi, qk_scale,
+                    rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
+                    HEAD_DIM, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
+                acc, probs, row_max, row_sum = _pipelined_blocks(
+                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                    rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
                     HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
-            acc, probs, row_max, row_sum = _pipelined_blocks(
-                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                rows, keys0, ring_base, unmasked_start, unmasked_end, seqlen_k, lo, hi, qk_scale,
-                HEAD_DIM, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
-            acc, probs, row_max, row_sum = _pipelined_blocks(
-                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                rows, keys0, ring_base, unmasked_end, end, seqlen_k, lo, hi, qk_scale,
-                HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
-            last = ring_position + end - start - 1
-            last_slot = last % STAGES
-            mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
-            v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
-            p = gl.convert_layout(probs.to(dtype), p_layout)
-            acc = warpgroup_mma(p, v, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_free.index(last_slot), count=1)
-        mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
+                last = ring_position + end - start - 1
+                last_slot = last % STAGES
+                mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
+                v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
+                p = gl.convert_layout(probs.to(dtype), p_layout)
+                acc = warpgroup_mma(p, v, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(v_free.index(last_slot), count=1)
+            mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
 
-        # Rows that saw no key: output 0 and LSE -inf, never 0/0.
-        seen = row_sum > 0.0
-        row_sum_safe = gl.where(seen, row_sum, 1.0)
-        out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
-        lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
-        gl.store(Lse + batch_head.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-        tma.store_wait(0)  # the previous tile's output has left the staging buffer
-        o_smem.index(CONSUMER).reshape([ROWS, HEAD_DIM]).store(out.to(dtype))
-        fence_async_shared()
-        tma_store(o_desc, [batch, head, row0, 0], o_smem.index(CONSUMER))
-        ring_position += end - start
-        tile_count += 1
+            # Rows that saw no key: output 0 and LSE -inf, never 0/0.
+            seen = row_sum > 0.0
+            row_sum_safe = gl.where(seen, row_sum, 1.0)
+            out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
+            lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
+            if VARLEN:  # (Hq, total_q)
+                lse_base = Lse + head.to(gl.int64) * stride_lh + q_start
+            else:  # (B, Hq, Sq)
+                lse_base = Lse + (batch * num_q_heads + head).to(gl.int64) * seqlen_q
+            gl.store(lse_base + rows, lse, mask=rows < seq_q)
+            if VARLEN:
+                if row0 + ROWS <= seq_q:
+                    _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, q_start + row0, 0])
+                else:  # the sequence ends inside the tile: its rows only (the next sequence's follow)
+                    _store_rows(out.to(dtype), o_smem.index(CONSUMER),
+                                Out + q_start * stride_om + head.to(gl.int64) * stride_oh, stride_om, row0, seq_q)
+            else:  # the descriptor clips rows past the end
+                _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, row0, 0])
+            ring_position += end - start
+            tile_count += 1
     tma.store_wait(0)
 
 
 @gluon.jit
 def attention_forward_hopper_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse,
+    q_desc, k_desc, v_desc, o_desc, Lse, Out, CuSeqlensQ, CuSeqlensK, Tiles, stride_lh, stride_om, stride_oh,
     num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
     HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
     with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 1, 2 or 3, Q_BUFFERS 1 or 2;
-    CTAS_PER_SM sets the registers each partition gets (:func:`register_budget`)."""
+    CTAS_PER_SM sets the registers each partition gets (:func:`register_budget`).
+
+    Packed sequences (VARLEN): the descriptors view (total, H, D) tensors as (1, H, total, D);
+    seqlen_q and seqlen_k are the totals; tiles come from the list in ``Tiles``; Out (row stride
+    stride_om, head stride stride_oh) takes the rows of a tile that ends past its sequence."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
@@ -427,23 +520,28 @@ def attention_forward_hopper_kernel(
               num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale)
     load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi)
+    if VARLEN:  # the partitions also get the sequences (and the consumers the output's pointer and strides);
+        # dense builds capture nothing more
+        sequences = (CuSeqlensQ, CuSeqlensK, Tiles)
+        shared = shared + ((sequences, Out, stride_lh, stride_om, stride_oh),)
+        load_args = load_args[:-3] + (seqlen_q, seqlen_k, lo, hi, sequences)
     # The registers go to the consumers (setmaxnreg): the load warp needs few.
     if CONSUMERS == 1:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS))],
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS))],
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
-             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS))],
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
+             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
+             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

@@ -11,7 +11,7 @@ from triton.experimental.gluon import language as gl
 from ...compat import COMPILE_OPTIONS, GluonASTSource, load_compiled, triton_version_problem
 from ...params import AttentionParams
 from ...runtime import KernelBuildError, multiprocessors, run_compiled
-from ..triton.launch import descriptor_strides, window_bounds
+from ..triton.launch import TileList, descriptor_strides, window_bounds
 from ..triton.forward import LOG2_E
 from .forward import attention_forward_hopper_kernel, register_budget
 from .schedule import CONSUMER_ROWS, HopperSchedule
@@ -31,19 +31,28 @@ class _HostDescriptor:
 
     __slots__ = ("base", "shape", "strides", "padding")
 
-    def __init__(self, tensor: torch.Tensor):
-        self.base, self.shape, self.padding = tensor, list(tensor.shape), "zero"
-        self.strides = descriptor_strides(tensor.shape, tensor.stride())
+    def __init__(self, tensor: torch.Tensor, shape=None, strides=None):
+        self.base, self.padding = tensor, "zero"
+        self.shape = list(tensor.shape) if shape is None else shape
+        self.strides = descriptor_strides(tensor.shape, tensor.stride()) if strides is None else strides
+
+    @classmethod
+    def packed(cls, tensor: torch.Tensor) -> "_HostDescriptor":
+        """A packed (total, H, D) tensor as one batch of (1, H, total, D)."""
+        tokens, heads, _ = tensor.stride()
+        return cls(tensor, [1, tensor.shape[1], tensor.shape[0], tensor.shape[2]], [16, heads, tokens, 1])
 
 
+_STRIDE_ARGS = ("stride_lh", "stride_om", "stride_oh")
 _INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
 
 
 def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, schedule: HopperSchedule,
-                          has_left: bool = False):
+                          has_left: bool = False, varlen: bool = False):
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
-    ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one.
+    ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one;
+    ``varlen``: packed sequences.
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
     """
@@ -55,10 +64,11 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
     constants = {"HEAD_DIM": head_dim, "BLOCK_N": schedule.block_n, "STAGES": schedule.stages,
                  "HAS_LEFT": has_left, "HAS_RIGHT": causal,
                  "CONSUMERS": schedule.consumers, "EMULATED_EXP2": schedule.emulated_exp2,
-                 "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm}
+                 "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm, "VARLEN": varlen}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
-                 "Lse": "*fp32", **dict.fromkeys(_INTEGER_ARGS, "i32"), "qk_scale": "fp32",
+                 "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",
+                 **dict.fromkeys(_STRIDE_ARGS, "i32"), **dict.fromkeys(_INTEGER_ARGS, "i32"), "qk_scale": "fp32",
                  "num_tiles": "i32", **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_forward_hopper_kernel.arg_names
     return GluonASTSource(attention_forward_hopper_kernel, signature, constants), tuple(constants.values())
@@ -72,14 +82,14 @@ def hopper_compile_options(schedule: HopperSchedule) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
-                            schedule: HopperSchedule, has_left: bool = False):
+                            schedule: HopperSchedule, has_left: bool = False, varlen: bool = False):
     """Compiled once per device and static configuration (Triton's disk cache still applies).
 
     A failed build is remembered too, and raises :class:`fmha.runtime.KernelBuildError` (the
     dispatcher then falls back to the portable kernel) on every later request.
     """
     try:
-        source, constants = hopper_forward_source(dtype, head_dim, causal, schedule, has_left)
+        source, constants = hopper_forward_source(dtype, head_dim, causal, schedule, has_left, varlen)
         with torch.cuda.device(device):
             compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(),
                                       options=hopper_compile_options(schedule))
@@ -100,30 +110,51 @@ def build_error_summary(error: BaseException) -> str:
 
 
 class HopperForward:
-    """The Gluon forward for one call signature and schedule; calling it writes ``out`` and ``lse``."""
+    """The Gluon forward for one call signature and schedule; calling it writes ``out`` and ``lse``.
 
-    __slots__ = ("schedule", "compiled", "grid", "integers", "device")
+    Packed sequences (varlen) also pass ``cu_seqlens_q`` and ``cu_seqlens_k``; their tile list is
+    made before each launch.
+    """
+
+    __slots__ = ("schedule", "compiled", "grid", "integers", "device", "tile_list", "varlen")
 
     def __init__(self, params: AttentionParams, schedule: HopperSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
-        self.schedule, self.device = schedule, params.device
-        built = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right, schedule, has_left)
+        self.schedule, self.device, self.varlen = schedule, params.device, params.varlen
+        built = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right, schedule, has_left,
+                                        params.varlen)
         if isinstance(built, KernelBuildError):
             raise built
         compiled, constants = built
         self.compiled = compiled
-        num_tiles = -(-params.seqlen_q // schedule.block_m) * params.batch * params.q_heads
+        if params.varlen:
+            self.tile_list = TileList(params.batch, params.total_q, schedule.block_m, from_end=False)
+            num_tiles = self.tile_list.entries * params.q_heads
+            seqlen_q, seqlen_k = params.total_q, params.total_k
+        else:
+            self.tile_list = None
+            num_tiles = -(-params.seqlen_q // schedule.block_m) * params.batch * params.q_heads
+            seqlen_q, seqlen_k = params.seqlen_q, params.seqlen_k
         if not schedule.persistent:
             self.grid = num_tiles
-        elif has_right:  # programs walk pairs of tiles
+        elif has_right and not params.varlen:  # programs walk pairs of tiles
             self.grid = min((num_tiles + 1) // 2, schedule.ctas_per_sm * multiprocessors(params.device))
         else:
             self.grid = min(num_tiles, schedule.ctas_per_sm * multiprocessors(params.device))
-        self.integers = (params.q_heads, params.group, params.seqlen_q, params.seqlen_k, lo, hi,
+        self.integers = (params.q_heads, params.group, seqlen_q, seqlen_k, lo, hi,
                          params.options.scale * LOG2_E, num_tiles, *constants)
 
-    def __call__(self, q, k, v, out, lse):
+    def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
+        if self.varlen:
+            tiles = self.tile_list(cu_seqlens_q)
+            descriptors = (_HostDescriptor.packed(q), _HostDescriptor.packed(k), _HostDescriptor.packed(v),
+                           _HostDescriptor.packed(out))
+            strides = (lse.stride(0), out.stride(0), out.stride(1))
+            sequences = (cu_seqlens_q, cu_seqlens_k, tiles)
+        else:  # the sequence arguments are not read: any pointer and integer will do
+            descriptors = (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out))
+            strides = (0, 0, 0)
+            sequences = (lse, lse, lse)
         run_compiled(self.compiled, self.grid, self.device,
-                     (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out), lse,
-                      *self.integers))
+                     (*descriptors, lse, out, *sequences, *strides, *self.integers))
         return self.compiled

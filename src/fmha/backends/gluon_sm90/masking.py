@@ -50,3 +50,14 @@ def key_blocks(first_row, num_rows, seqlen_k, lo, hi,
     full_start = gl.minimum(gl.maximum(full_start, start), end)
     full_end = gl.maximum(gl.minimum(gl.maximum(full_end, 0) // BLOCK_N, end), full_start)
     return start, full_start, full_end, end
+
+
+@gluon.jit
+def sequence_span(cu_seqlens, seq, total):
+    """``(start, length)`` of packed sequence ``seq``, clamped into [0, total]
+    (:func:`fmha.backends.triton.varlen.sequence_span`)."""
+    start = gl.load(cu_seqlens + seq)
+    end = gl.load(cu_seqlens + seq + 1)
+    start = gl.minimum(gl.maximum(start, 0), total)
+    end = gl.minimum(gl.maximum(end, start), total)
+    return start, end - start

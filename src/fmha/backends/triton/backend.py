@@ -21,14 +21,14 @@ class TritonBackend:
     config_class = ForwardConfig
 
     def refusal(self, params: AttentionParams, q, k, v) -> str | None:
-        if params.options.layout != "dense":
+        if params.options.layout not in ("dense", "varlen"):
             return f"layout {params.options.layout!r} is not built yet"
         return None
 
     def forward_config(self, params: AttentionParams) -> tuple[ForwardConfig, str]:
         if params.options.backend == self.name:
             return ForwardConfig.from_ints(params.options.config), "explicit config="
-        split = split_kv_config(params, multiprocessors(params.device))
+        split = None if params.varlen else split_kv_config(params, multiprocessors(params.device))
         if split is not None:
             return split, f"split-KV: {params.batch * params.kv_heads} KV heads for {multiprocessors(params.device)} multiprocessors"
         if INTERPRETED:
@@ -47,14 +47,14 @@ class TritonBackend:
         return lookup.backward_config(params)
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, params: AttentionParams,
-                 config: BackwardConfig | None = None) -> None:
+                 config: BackwardConfig | None = None, seqlens: tuple = ()) -> None:
         if config is None:
             config, _ = self.backward_config(params)
         if interpreter_upcasts(params.dtype):
             grads = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (dq, dk, dv)]
             launch_backward(q.float(), k.float(), v.float(), out.float(), dout.float(), lse, *grads,
-                            dataclasses.replace(params, dtype=torch.float32), config)
+                            dataclasses.replace(params, dtype=torch.float32), config, *seqlens)
             for grad, grad32 in zip((dq, dk, dv), grads):
                 grad.copy_(grad32)
             return
-        launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params, config)
+        launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params, config, *seqlens)

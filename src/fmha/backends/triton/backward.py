@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .common import load_rows
 from .masking import key_blocks, query_blocks, visible
+from .varlen import packed_spans, program_tile
 
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -94,30 +95,44 @@ def _dkdv_query_blocks(
 
 @triton.jit
 def backward_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV,
+    Q, K, V, DOut, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Tiles,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_lb, stride_lh,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    n_block = tl.program_id(0)
-    batch_kv_head = tl.program_id(1)
-    batch = batch_kv_head // num_kv_heads
-    kv_head = batch_kv_head % num_kv_heads
+    if VARLEN:
+        # Packed sequences (see the forward): a key block of the list, per KV head.
+        seq, n_block, kv_head = program_tile(Tiles, num_kv_heads)
+        if seq < 0:
+            return
+        batch = seq  # packed tensors have batch strides 0
+        q_start, seqlen_q, k_start, seqlen_k = packed_spans(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k)
+        lo += seqlen_k - seqlen_q
+        hi += seqlen_k - seqlen_q
+    else:
+        n_block = tl.program_id(0)
+        batch = tl.program_id(1) // num_kv_heads
+        kv_head = tl.program_id(1) % num_kv_heads
+        q_start = 0
+        k_start = 0
+    q_start = tl.cast(q_start, tl.int64)
+    k_start = tl.cast(k_start, tl.int64)
 
     keys = n_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     kv_mask = (keys[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    k = tl.load(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn
                 + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    v = tl.load(V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn
                 + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
 
     # Query rows that see this key block: [m_start, m_end); rows [full_start, full_end) see all of
@@ -129,11 +144,12 @@ def backward_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for member in range(0, group_size):
         head = kv_head * group_size + member
-        batch_head = batch * num_q_heads + head
-        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-        do_base = DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        lse_ptr = Lse + batch_head.to(tl.int64) * seqlen_q
-        delta_ptr = Delta + batch_head.to(tl.int64) * seqlen_q
+        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start * stride_qm
+        do_base = DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh + q_start * stride_dom
+        # Delta has the LSE's layout.
+        row_stats = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
+        lse_ptr = Lse + row_stats
+        delta_ptr = Delta + row_stats
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
             keys, offs_m, offs_d, m_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale,
@@ -148,9 +164,9 @@ def backward_dkdv_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
 
     dk = dk * scale
-    tl.store(DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+    tl.store(DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh + k_start * stride_dkn
              + keys[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+    tl.store(DV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh + k_start * stride_dvn
              + keys[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
@@ -183,35 +199,48 @@ def _dq_key_blocks(
 
 @triton.jit
 def backward_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ,
+    Q, K, V, DOut, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Tiles,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_lb, stride_lh,
     num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    batch = batch_head // num_q_heads
-    head = batch_head % num_q_heads
+    if VARLEN:
+        seq, m_block, head = program_tile(Tiles, num_q_heads)
+        if seq < 0:
+            return
+        batch = seq  # packed tensors have batch strides 0
+        q_start, seqlen_q, k_start, seqlen_k = packed_spans(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k)
+        lo += seqlen_k - seqlen_q
+        hi += seqlen_k - seqlen_q
+    else:
+        m_block = tl.program_id(0)
+        batch = tl.program_id(1) // num_q_heads
+        head = tl.program_id(1) % num_q_heads
+        q_start = 0
+        k_start = 0
+    q_start = tl.cast(q_start, tl.int64)
+    k_start = tl.cast(k_start, tl.int64)
     kv_head = head // group_size
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     q_mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start * stride_qm
                 + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-    do = tl.load(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    do = tl.load(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh + q_start * stride_dom
                  + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
-    lse, delta = _load_row_stats(Lse + batch_head.to(tl.int64) * seqlen_q,
-                                 Delta + batch_head.to(tl.int64) * seqlen_q, rows, seqlen_q, True)
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    row_stats = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
+    lse, delta = _load_row_stats(Lse + row_stats, Delta + row_stats, rows, seqlen_q, True)
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn
 
     # The forward's key ranges: masked, whole blocks every row sees, masked.
     kv_start, full_start, full_end, kv_end = key_blocks(
@@ -229,5 +258,5 @@ def backward_dq_kernel(
                         rows, offs_n, offs_d, full_end, kv_end, seqlen_k, lo, hi, qk_scale,
                         HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
     dq = dq * scale
-    tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+    tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_start * stride_dqm
              + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .common import load_rows
 from .masking import key_blocks, visible
+from .varlen import packed_spans, program_tile
 
 LOG2_E = 1.4426950408889634
 LN_2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -145,17 +146,17 @@ def _forward_tile(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    batch_head, m_block,
-    num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
+    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
+    batch, head, m_block, q_start, k_start,
+    group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, PIPELINE_QK: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
-    batch = batch_head // num_q_heads
-    head = batch_head % num_q_heads
+    """Rows [m_block * BLOCK_M, +BLOCK_M) of one head of one sequence, which starts at token
+    ``q_start`` of Q (``k_start`` of K and V): 0 for dense tensors, the packed offset for varlen."""
     kv_head = head // group_size
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -164,10 +165,12 @@ def _forward_tile(
     row_in_range = offs_m[:, None] < seqlen_q
     d_in_range = offs_d[None, :] < HEAD_DIM
 
-    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    q_start = tl.cast(q_start, tl.int64)
+    k_start = tl.cast(k_start, tl.int64)
+    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start * stride_qm
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn
+    o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + q_start * stride_om
     if USE_TMA:
         q = q_desc.load([batch, head, m_block * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
@@ -216,7 +219,8 @@ def _forward_tile(
     else:
         tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
                  out.to(Out.dtype.element_ty), mask=row_in_range & d_in_range)
-    tl.store(Lse + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    lse_base = Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
+    tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -229,43 +233,66 @@ def _m_block_of(tile, num_m_blocks, HAS_RIGHT: tl.constexpr):
 
 @triton.jit
 def attention_forward_kernel(
-    Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+    Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc, CuSeqlensQ, CuSeqlensK, Tiles,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
+    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
     num_batch_heads, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, PIPELINE_QK: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    # Tile t covers query block t % num_m_blocks of (batch, head) t // num_m_blocks: the query
-    # blocks of one head are adjacent so that they share K/V in L2. Causal blocks run longest
-    # first (the last rows see the most keys), so the short tiles fill the tail of the wave.
-    num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
-    if PERSISTENT:
-        for tile in range(tl.program_id(0), num_m_blocks * num_batch_heads, tl.num_programs(0)):
+    if VARLEN:
+        # Packed sequences: Q is (1, Hq, total_q, D), seqlen_q/seqlen_k are the packed totals and
+        # lo/hi hold the window without its per-sequence offset. Program p runs entry p % E of
+        # the E-entry tile list (fmha.backends.triton.varlen) for head p // E: the tiles of one
+        # head run side by side and share its K/V in L2.
+        seq, m_block, head = program_tile(Tiles, num_q_heads)
+        if seq >= 0:
+            q_start, seqlen_q_seq, k_start, seqlen_k_seq = packed_spans(CuSeqlensQ, CuSeqlensK, seq, seqlen_q,
+                                                                        seqlen_k)
+            offset = seqlen_k_seq - seqlen_q_seq
             _forward_tile(
                 Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
-                stride_ob, stride_oh, stride_om, stride_od,
-                tile // num_m_blocks, _m_block_of(tile, num_m_blocks, HAS_RIGHT),
-                num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
+                stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
+                seq, head, m_block, q_start, k_start,  # batch strides are 0
+                group_size, seqlen_q_seq, seqlen_k_seq, lo + offset, hi + offset, qk_scale,
+                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                False, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE)
+    else:
+        # Tile t covers query block t % num_m_blocks of (batch, head) t // num_m_blocks: the query
+        # blocks of one head are adjacent so that they share K/V in L2. Causal blocks run longest
+        # first (the last rows see the most keys), so the short tiles fill the tail of the wave.
+        num_m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+        if PERSISTENT:
+            for tile in range(tl.program_id(0), num_m_blocks * num_batch_heads, tl.num_programs(0)):
+                batch_head = tile // num_m_blocks
+                _forward_tile(
+                    Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+                    stride_qb, stride_qh, stride_qm, stride_qd,
+                    stride_kb, stride_kh, stride_kn, stride_kd,
+                    stride_vb, stride_vh, stride_vn, stride_vd,
+                    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
+                    batch_head // num_q_heads, batch_head % num_q_heads, _m_block_of(tile, num_m_blocks, HAS_RIGHT),
+                    0, 0, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
+                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                    USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE)
+        else:
+            tile = tl.program_id(0)
+            batch_head = tile // num_m_blocks
+            _forward_tile(
+                Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+                stride_qb, stride_qh, stride_qm, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
+                batch_head // num_q_heads, batch_head % num_q_heads, _m_block_of(tile, num_m_blocks, HAS_RIGHT),
+                0, 0, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
                 USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE)
-    else:
-        tile = tl.program_id(0)
-        _forward_tile(
-            Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
-            stride_qb, stride_qh, stride_qm, stride_qd,
-            stride_kb, stride_kh, stride_kn, stride_kd,
-            stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_ob, stride_oh, stride_om, stride_od,
-            tile // num_m_blocks, _m_block_of(tile, num_m_blocks, HAS_RIGHT),
-            num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
-            USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE)

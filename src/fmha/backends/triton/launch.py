@@ -20,6 +20,7 @@ from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preproc
 from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatures, SplitKVConfig, padded_head_dim
 from .forward import LOG2_E, attention_forward_kernel
 from .split_kv import attention_split_kv_kernel, split_kv_combine_kernel
+from .varlen import varlen_schedule_kernel
 
 SPLIT_KV_COMBINE_ROWS = 16
 
@@ -32,7 +33,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 def window_bounds(params: AttentionParams) -> tuple[bool, bool, int, int]:
     """``(HAS_LEFT, HAS_RIGHT, lo, hi)``: row i sees keys i + lo <= j <= i + hi (fmha.backends.triton.masking)."""
     options = params.options
-    offset = 0 if options.top_left else params.seqlen_k - params.seqlen_q
+    # Packed sequences: each sequence's own Sk - Sq is added in the kernel.
+    offset = 0 if options.top_left or params.varlen else params.seqlen_k - params.seqlen_q
     has_left, has_right = options.window_left is not None, options.window_right is not None
     return (has_left, has_right, offset - options.window_left if has_left else 0,
             offset + options.window_right if has_right else 0)
@@ -66,18 +68,60 @@ def _descriptor(tensor: torch.Tensor, block_rows: int, block_d: int):
                             [1, 1, block_rows, block_d])
 
 
+def packed_strides(tensor: torch.Tensor) -> tuple[int, int, int, int]:
+    """A packed (total, H, D) tensor's strides as one batch of (1, H, total, D), batch stride 0."""
+    tokens, heads, features = tensor.stride()
+    return (0, heads, tokens, features)
+
+
+class TileList:
+    """The longest-first list of tiles of packed sequences (:mod:`fmha.backends.triton.varlen`).
+
+    ``entries`` bounds the tiles of any lengths adding up to ``total``; calling it with the
+    cu_seqlens tensor returns the (entries, 2) int32 list, made on the device by one small kernel.
+    """
+
+    __slots__ = ("entries", "integers", "constants", "compiled")
+
+    def __init__(self, num_seqs: int, total: int, block: int, from_end: bool):
+        self.entries = max(1, min(total // block + num_seqs, num_seqs * triton.cdiv(total, block)))
+        self.integers = (num_seqs, total, self.entries)
+        self.constants = dict(BLOCK=block, FROM_END=from_end,
+                              BLOCK_SEQS=min(1024, max(16, triton.next_power_of_2(num_seqs))))
+        self.compiled = None
+
+    def __call__(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        tiles = torch.empty((self.entries, 2), dtype=torch.int32, device=cu_seqlens.device)
+        args = (cu_seqlens, tiles, *self.integers)
+        if self.compiled is not None:
+            run_compiled(self.compiled, 1, cu_seqlens.device, (*args, *self.constants.values()))
+            return tiles
+        compiled = varlen_schedule_kernel[(1,)](*args, **self.constants, num_warps=4, num_stages=1,
+                                                 **COMPILE_OPTIONS)
+        if not INTERPRETED:
+            assert varlen_schedule_kernel.arg_names[-len(self.constants):] == list(self.constants)
+            self.compiled = compiled
+        return tiles
+
+
 class PortableForward:
     """The portable forward for one call signature (shapes, strides, dtype, options) and config.
 
     Calling it writes ``out`` and ``lse``; it returns Triton's compiled kernel (None under the
-    interpreter), for resource reports.
+    interpreter), for resource reports. Packed sequences (varlen) also pass ``cu_seqlens_q`` and
+    ``cu_seqlens_k``, and a tile list is made before each launch.
     """
 
-    __slots__ = ("params", "config", "features", "constants", "grid", "qk_scale", "window", "compiled", "integers")
+    __slots__ = ("params", "config", "features", "constants", "grid", "qk_scale", "window", "compiled", "integers",
+                 "tile_list")
 
     def __init__(self, params: AttentionParams, config: ForwardConfig, features: KernelFeatures = DEFAULT_FEATURES):
         has_left, has_right, lo, hi = window_bounds(params)
         scale = params.options.scale
+        varlen = params.varlen
+        if varlen:  # tiles come from the list: no persistent loop; rows of one tile may cross sequences: no TMA
+            features = KernelFeatures(fused_scale=features.fused_scale, pipeline_qk=features.pipeline_qk,
+                                      warp_specialize=features.warp_specialize)
         self.params, self.config, self.features = params, config, features
         self.window = (lo, hi)
         self.qk_scale = scale * LOG2_E
@@ -87,22 +131,34 @@ class PortableForward:
             HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(params.dtype),
             USE_TMA=False, FUSED_SCALE=features.fused_scale and scale > 0,
             PIPELINE_QK=features.pipeline_qk, WARP_SPECIALIZE=features.warp_specialize,
-            PERSISTENT=features.persistent,
+            PERSISTENT=features.persistent, VARLEN=varlen,
         )
-        num_tiles = triton.cdiv(params.seqlen_q, config.block_m) * params.batch * params.q_heads
-        self.grid = min(num_tiles, multiprocessors(params.device)) if features.persistent else num_tiles
+        if varlen:
+            self.tile_list = TileList(params.batch, params.total_q, config.block_m, from_end=False)
+            self.grid = self.tile_list.entries * params.q_heads
+        else:
+            self.tile_list = None
+            num_tiles = triton.cdiv(params.seqlen_q, config.block_m) * params.batch * params.q_heads
+            self.grid = min(num_tiles, multiprocessors(params.device)) if features.persistent else num_tiles
         self.compiled = None
         self.integers = None
 
-    def __call__(self, q, k, v, out, lse):
+    def _integers(self, q, k, v, out, lse) -> tuple:
+        p = self.params
+        if p.varlen:
+            return (*packed_strides(q), *packed_strides(k), *packed_strides(v), *packed_strides(out),
+                    0, lse.stride(0), p.batch * p.q_heads, p.q_heads, p.group, p.total_q, p.total_k, *self.window)
+        return (*q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
+                p.batch * p.q_heads, p.q_heads, p.group, p.seqlen_q, p.seqlen_k, *self.window)
+
+    def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
         if self.integers is None:
-            p = self.params
-            self.integers = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), p.batch * p.q_heads, p.q_heads,
-                             p.group, p.seqlen_q, p.seqlen_k, *self.window)
+            self.integers = self._integers(q, k, v, out, lse)
+        tiles = None if self.tile_list is None else self.tile_list(cu_seqlens_q)
         if self.compiled is not None:
             run_compiled(self.compiled, self.grid, q.device,
-                         (q, k, v, out, lse, None, None, None, None, *self.integers, self.qk_scale,
-                          *self.constants.values()))
+                         (q, k, v, out, lse, None, None, None, None, cu_seqlens_q, cu_seqlens_k, tiles,
+                          *self.integers, self.qk_scale, *self.constants.values()))
             return self.compiled
         constants = self.constants
         descriptors = (None, None, None, None)
@@ -114,8 +170,8 @@ class PortableForward:
                            _descriptor(v, block_n, block_d), _descriptor(out, block_m, block_d))
             constants = {**constants, "USE_TMA": True}
         compiled = attention_forward_kernel[(self.grid,)](
-            q, k, v, out, lse, *descriptors, *self.integers, self.qk_scale, **constants,
-            num_warps=self.config.num_warps, num_stages=self.config.num_stages, **COMPILE_OPTIONS)
+            q, k, v, out, lse, *descriptors, cu_seqlens_q, cu_seqlens_k, tiles, *self.integers, self.qk_scale,
+            **constants, num_warps=self.config.num_warps, num_stages=self.config.num_stages, **COMPILE_OPTIONS)
         if not (INTERPRETED or use_tma):
             # Later calls of this signature launch it directly (same specialisation: the
             # signature fixes every integer, and the pointers' 16-byte alignment is in its key).
@@ -182,34 +238,56 @@ def launch_forward(q, k, v, out, lse, params: AttentionParams, config: ForwardCo
     return PortableForward(params, config, features)(q, k, v, out, lse)
 
 
-def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams, config: BackwardConfig) -> None:
-    """Writes dq, dk, dv (shapes and dtypes of q, k, v) from the forward's out and LSE."""
-    batch, num_q_heads, seqlen_q, head_dim = q.shape
-    num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
+def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams, config: BackwardConfig,
+                    cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+    """Writes dq, dk, dv (shapes and dtypes of q, k, v) from the forward's out and LSE.
+
+    Packed sequences (varlen) pass their cu_seqlens; the tensors are then (total, H, D).
+    """
+    p = params
+    head_dim, num_q_heads, num_kv_heads = p.head_dim, p.q_heads, p.kv_heads
     block_d = padded_head_dim(head_dim)
     has_left, has_right, lo, hi = window_bounds(params)
     scale = params.options.scale
-    delta = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
+    delta = torch.empty_like(lse)  # the LSE's layout, so the kernels index both alike
+    if p.varlen:
+        strides = [packed_strides(t) for t in (q, k, v, out, dout, dk, dv, dq)]
+        rows, keys, batch, lse_strides = p.total_q, p.total_k, 1, (0, lse.stride(0))
+    else:
+        strides = [t.stride() for t in (q, k, v, out, dout, dk, dv, dq)]
+        rows, keys, batch, lse_strides = p.seqlen_q, p.seqlen_k, p.batch, lse.stride()[:2]
+    q_strides, k_strides, v_strides, out_strides, dout_strides, dk_strides, dv_strides, dq_strides = strides
     preprocess_block = 16 if INTERPRETED else 64
-    backward_preprocess_kernel[(triton.cdiv(seqlen_q, preprocess_block), batch * num_q_heads)](
-        out, dout, delta, *out.stride(), *dout.stride(), num_q_heads, seqlen_q,
+    # The preprocess is per row: packed sequences are one batch of total_q rows.
+    backward_preprocess_kernel[(triton.cdiv(rows, preprocess_block), batch * num_q_heads)](
+        out, dout, delta, *out_strides, *dout_strides, num_q_heads, rows,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block, **COMPILE_OPTIONS,
     )
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-                  DOT_PRECISION=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
-                  **COMPILE_OPTIONS)
+                  DOT_PRECISION=dot_precision(q.dtype), VARLEN=p.varlen, num_warps=config.num_warps,
+                  num_stages=config.num_stages, **COMPILE_OPTIONS)
     group_size = num_q_heads // num_kv_heads
     # Each kernel keeps block_n rows resident (keys for dK/dV, queries for dQ) and streams
     # block_m rows of the other side past them.
-    backward_dkdv_kernel[(triton.cdiv(seqlen_k, config.block_n), batch * num_kv_heads)](
-        q, k, v, dout, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-        num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, scale * LOG2_E,
+    if p.varlen:
+        key_tiles = TileList(p.batch, keys, config.block_n, from_end=True)
+        query_tiles = TileList(p.batch, rows, config.block_n, from_end=False)
+        dkdv_tiles, dq_tiles = key_tiles(cu_seqlens_k), query_tiles(cu_seqlens_q)
+        dkdv_grid = (key_tiles.entries * num_kv_heads, 1)
+        dq_grid = (query_tiles.entries * num_q_heads, 1)
+    else:
+        dkdv_tiles = dq_tiles = None
+        dkdv_grid = (triton.cdiv(keys, config.block_n), batch * num_kv_heads)
+        dq_grid = (triton.cdiv(rows, config.block_n), batch * num_q_heads)
+    backward_dkdv_kernel[dkdv_grid](
+        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, dkdv_tiles,
+        *q_strides, *k_strides, *v_strides, *dout_strides, *dk_strides, *dv_strides, *lse_strides,
+        num_q_heads, num_kv_heads, group_size, rows, keys, lo, hi, scale, scale * LOG2_E,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, **common,
     )
-    backward_dq_kernel[(triton.cdiv(seqlen_q, config.block_n), batch * num_q_heads)](
-        q, k, v, dout, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-        num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, scale * LOG2_E,
+    backward_dq_kernel[dq_grid](
+        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, dq_tiles,
+        *q_strides, *k_strides, *v_strides, *dout_strides, *dq_strides, *lse_strides,
+        num_q_heads, group_size, rows, keys, lo, hi, scale, scale * LOG2_E,
         BLOCK_M=config.block_n, BLOCK_N=config.block_m, **common,
     )

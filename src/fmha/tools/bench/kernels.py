@@ -32,8 +32,11 @@ def kernel_resources(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                      include_naive: bool = True) -> list[dict]:
     """Launch the portable kernels of steps 2-4 once on the case's inputs and read what the compiler produced.
 
-    Step 4 is listed when its tuned tiles differ from step 3's heuristic ones.
+    Step 4 is listed when its tuned tiles differ from step 3's heuristic ones. A case with features
+    (a window, packed sequences, score features) gets no rows: these launches are plain attention.
     """
+    if case.features:
+        return []
     q, k, v = (t.detach() for t in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)

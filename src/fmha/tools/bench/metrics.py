@@ -1,12 +1,17 @@
 """FLOPs, an analytic model of HBM traffic, and rates relative to the chip's measured limits.
 
-Conventions follow the design: FLOPs = 4·B·Hq·Sq·Sk·D, halved when causal, ×2.5 for the
-backward and ×3.5 for forward+backward.
+Conventions follow the design: FLOPs count only the visible (query, key) pairs, 4·D per pair
+(two matmuls), ×2.5 for the backward and ×3.5 for forward+backward. Without a window the pairs
+are Sq·Sk, halved when causal (the convention of the published numbers); with a sliding window
+they are counted exactly, row by row. Packed sequences (varlen) sum their sequences.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+from fmha.masking import Window
 
 from .cases import Case
 
@@ -14,12 +19,36 @@ MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 LSE_BYTES = 4  # float32 per query row
 
 
+@functools.lru_cache(maxsize=256)
+def visible_pairs(seqlen_q: int, seqlen_k: int, window: Window | None) -> int:
+    """The (query, key) pairs ``window`` lets through, counted per row (no Sq x Sk mask is built)."""
+    if window is None:
+        return seqlen_q * seqlen_k
+    pairs = 0
+    for row in range(seqlen_q):
+        position = row + window.offset
+        first = 0 if window.left is None else max(0, position - window.left)
+        last = seqlen_k - 1 if window.right is None else min(seqlen_k - 1, position + window.right)
+        pairs += max(0, last - first + 1)
+    return pairs
+
+
+def _sequence_pairs(case: Case, seqlen_q: int, seqlen_k: int) -> float:
+    if case.window is None:
+        return seqlen_q * seqlen_k * (0.5 if case.causal else 1.0)
+    return float(visible_pairs(seqlen_q, seqlen_k, case.visible_window(seqlen_q, seqlen_k)))
+
+
+def pairs_per_head(case: Case) -> float:
+    """Visible (query, key) pairs of one head over the batch (or over the packed sequences)."""
+    if case.lengths is not None:
+        return sum(_sequence_pairs(case, length, length) for length in case.lengths)
+    return case.batch * _sequence_pairs(case, case.seqlen_q, case.seqlen_k)
+
+
 def attention_flops(case: Case) -> float:
-    """4 * B * Hq * Sq * Sk * D for the two matmuls, halved when causal."""
-    flops = 4.0 * case.batch * case.q_heads * case.seqlen_q * case.seqlen_k * case.head_dim
-    if case.causal:
-        flops *= 0.5
-    return flops * MODE_FLOP_FACTOR[case.mode]
+    """4 * D per visible pair for the two matmuls, over Hq heads, times the mode's factor."""
+    return 4.0 * case.q_heads * case.head_dim * pairs_per_head(case) * MODE_FLOP_FACTOR[case.mode]
 
 
 def tflops(case: Case, milliseconds: float) -> float:
@@ -31,14 +60,19 @@ def microseconds_per_head(case: Case, milliseconds: float) -> float:
 
 
 def _tensor_bytes(case: Case, element_size: int) -> dict[str, int]:
-    rows_q = case.batch * case.q_heads * case.seqlen_q
-    rows_kv = case.batch * case.kv_heads * case.seqlen_k
+    tokens_q, tokens_k = case.tokens
+    rows_q = case.q_heads * tokens_q
+    rows_kv = case.kv_heads * tokens_k
+    if case.lengths is not None:
+        scores = case.q_heads * sum(length * length for length in case.lengths)
+    else:
+        scores = rows_q * case.seqlen_k
     return {
         "q": rows_q * case.head_dim * element_size,
         "kv": 2 * rows_kv * case.head_dim * element_size,
         "o": rows_q * case.head_dim * element_size,
         "lse": rows_q * LSE_BYTES,
-        "scores": rows_q * case.seqlen_k,  # elements of S (and of P)
+        "scores": scores,  # elements of S (and of P), every pair of each sequence
     }
 
 

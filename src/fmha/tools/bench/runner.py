@@ -15,11 +15,12 @@ import triton.testing
 
 import fmha
 from fmha import testing
+from fmha.reference import dense_attention
 from fmha.testing import time_ms
 
 from . import metrics
 from .cases import Case
-from .peers import PEERS, PeerUnavailable
+from .peers import PEERS, PeerUnavailable, Unsupported, score_inputs
 
 RESULTS_SCHEMA = "fmha-results/1"
 # Heads checked against the float64 reference (a (1, 2, Sq, Sk) float64 score matrix).
@@ -52,21 +53,96 @@ def environment() -> dict:
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device="cuda", seed: int = 0):
-    """Fresh normal inputs (never zeros); they require grad in the modes with a backward."""
+    """Fresh normal inputs (never zeros), BHSD, or THD (total tokens, H, D) for packed sequences;
+    they require grad in the modes with a backward."""
     generator = torch.Generator(device=device).manual_seed(seed)
     requires_grad = case.mode != "fwd"
 
     def randn(heads, seqlen):
-        return torch.randn(case.batch, heads, seqlen, case.head_dim, device=device, dtype=dtype,
-                           generator=generator).requires_grad_(requires_grad)
+        if case.lengths is not None:  # packed: queries and keys share the lengths
+            shape = (case.tokens[0], heads, case.head_dim)
+        else:
+            shape = (case.batch, heads, seqlen, case.head_dim)
+        return torch.randn(shape, device=device, dtype=dtype, generator=generator).requires_grad_(requires_grad)
 
     return randn(case.q_heads, case.seqlen_q), randn(case.kv_heads, case.seqlen_k), randn(case.kv_heads, case.seqlen_k)
 
 
+def as_case_layout(case: Case, out: torch.Tensor) -> torch.Tensor:
+    """A provider's output in the layout of the case's inputs: THD for packed sequences (from a
+    (1, H, T, D) batch), BHSD otherwise (from BSHD)."""
+    if case.lengths is not None:
+        return out[0].transpose(0, 1) if out.ndim == 4 else out
+    if out.shape[1:3] == (case.q_heads, case.seqlen_q):
+        return out
+    return out.transpose(1, 2)
+
+
+def scored_reference(q, k, v, window, case: Case, inputs: dict) -> torch.Tensor:
+    """float64 attention of (1, h, Sq, D) inputs with the design's order of operations: scale,
+    softcap, the ALiBi bias -slope·|pos(i) - j|, the window, then softmax with the sink term."""
+    heads = q.shape[1]
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    group = heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * case.head_dim ** -0.5
+    if case.softcap:
+        scores = case.softcap * torch.tanh(scores / case.softcap)
+    rows = torch.arange(q.shape[2], device=q.device)
+    keys = torch.arange(k.shape[2], device=q.device)
+    if "alibi_slopes" in inputs:
+        offset = window.offset if window is not None else k.shape[2] - q.shape[2]
+        distance = (rows[:, None] + offset - keys[None, :]).abs().double()
+        scores = scores - inputs["alibi_slopes"][:heads, None, None].double() * distance
+    if window is not None:
+        scores = scores.masked_fill(~window.visible(rows, keys), float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    if "sinks" in inputs:
+        sinks = inputs["sinks"].detach()[:heads, None, None].double()
+        top = torch.maximum(top, sinks)
+    top = top.nan_to_num(0.0, neginf=0.0)  # a row that sees nothing
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    if "sinks" in inputs:
+        total = total + torch.exp(sinks - top)
+    return torch.where(total > 0, (weights @ v) / total, 0.0)
+
+
+def _reference_pairs(case: Case, q, k, v, out):
+    """(q, k, v, out, window) pieces that are checked: batch 0 as (1, H, S, D), or every packed sequence."""
+    if case.lengths is None:
+        yield q[:1], k[:1], v[:1], out[:1], case.visible_window()
+        return
+    start = 0
+    for length in case.lengths:
+        if length:
+            yield (*(t[start:start + length].transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)),
+                   case.visible_window(length, length))
+        start += length
+
+
 def relative_error(case: Case, q, k, v, out) -> float:
-    """Relative L2 error of the first heads of batch 0 against float64 (BHSD or BSHD ``out``)."""
-    return testing.relative_error(q, k, v, out, causal_offset=case.seqlen_k - case.seqlen_q if case.causal else None,
-                                  max_heads=CHECK_HEADS)
+    """Relative L2 error of the first heads against float64: batch 0, or every packed sequence; NaN if not finite."""
+    if case.lengths is None and not case.scores_modified:
+        return testing.relative_error(q, k, v, out, window=case.visible_window(), max_heads=CHECK_HEADS)
+    out = as_case_layout(case, out)
+    inputs = score_inputs(case, q.device)
+    heads = min(CHECK_HEADS, case.q_heads)
+    kv_heads = -(-heads // (case.q_heads // case.kv_heads))
+    error = norm = 0.0
+    for q_part, k_part, v_part, out_part, window in _reference_pairs(case, q, k, v, out):
+        q_part, k_part, v_part = (t[:, :h].detach() for t, h in ((q_part, heads), (k_part, kv_heads),
+                                                                  (v_part, kv_heads)))
+        if case.scores_modified:
+            ref = scored_reference(q_part, k_part, v_part, window, case, inputs)
+        else:
+            ref, _ = dense_attention(q_part, k_part, v_part, window=window)
+        got = out_part[:, :heads].detach().double()
+        if not torch.isfinite(got).all():
+            return float("nan")
+        error += (got - ref).square().sum().item()
+        norm += ref.square().sum().item()
+    return math.sqrt(error / norm) if norm else math.sqrt(error)
 
 
 def timed_callable(case: Case, prepared):
@@ -104,11 +180,25 @@ def step_of(provider: str) -> str:
     return "naive" if provider == "naive" else "fused"
 
 
+def _check(case: Case, name: str, row: dict, q, k, v, out, fmha_out):
+    """Record the forward's error against float64 (and the largest difference from fmha's output)."""
+    if case.dropout:
+        row["check"] = "none: dropout is random"
+        return
+    row["rel_err"] = relative_error(case, q, k, v, out)
+    if fmha_out is not None and name != "fmha":
+        row["max_abs_diff_vs_fmha"] = (as_case_layout(case, out).float() - fmha_out).abs().max().item()
+    if not row["rel_err"] <= MAX_RELATIVE_ERROR:  # NaN fails too
+        row.update(status="wrong", error=f"relative error {row['rel_err']:.3g} vs float64")
+
+
 def run_case(case: Case, providers: list[str], dtype: torch.dtype, limits: metrics.ChipLimits | None = None,
-             on_row=None) -> list[dict]:
-    """One row per provider; a provider that is missing or fails is recorded and skipped."""
-    q, k, v = make_inputs(case, dtype)
+             on_row=None, device="cuda") -> list[dict]:
+    """One row per provider; a provider that is missing, lacks a feature of the case or fails is
+    recorded (``unavailable``, ``unsupported`` or ``failed``, with the reason) and skipped."""
+    q, k, v = make_inputs(case, dtype, device)
     rows = []
+    fmha_out = None  # the headline's forward output, which the peers' outputs are compared with
     for name in providers:
         row = {"case": case.to_dict(), "label": case.label, "provider": name,
                "dtype": str(dtype).removeprefix("torch."), "status": "ok"}
@@ -118,22 +208,24 @@ def run_case(case: Case, providers: list[str], dtype: torch.dtype, limits: metri
             if case.mode == "fwd":
                 with torch.no_grad():
                     out = prepared.run()
-                torch.cuda.synchronize()
-                row["rel_err"] = relative_error(case, q, k, v, out)
+                if out.is_cuda:
+                    torch.cuda.synchronize()
+                _check(case, name, row, q, k, v, out, fmha_out)
+                if name == "fmha" and row["status"] == "ok":
+                    fmha_out = as_case_layout(case, out).float()
                 del out
-                if not row["rel_err"] <= MAX_RELATIVE_ERROR:  # NaN fails too
-                    row.update(status="wrong", error=f"relative error {row['rel_err']:.3g} vs float64")
             if row["status"] == "ok":
                 fn = timed_callable(case, prepared)
                 row["peak_extra_bytes"] = peak_extra_bytes(fn)
                 ms, method = time_ms(fn)
                 row.update(_rates(case, name, ms, q.element_size(), limits), ms=ms, method=method)
+        except (Unsupported, NotImplementedError) as reason:
+            row.update(status="unsupported", error=str(reason))
         except PeerUnavailable as reason:
             row.update(status="unavailable", error=str(reason))
-        except NotImplementedError as reason:
-            row.update(status="unavailable", error=str(reason))
-        except (RuntimeError, ValueError, triton.CompilationError, torch.OutOfMemoryError) as error:
-            row.update(status="failed", error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        except Exception as error:  # a provider that breaks (a compiler error, a refused shape) is one row's story
+            first_line = (str(error).splitlines() or [""])[0]
+            row.update(status="failed", error=f"{type(error).__name__}: {first_line[:200]}")
         torch.cuda.empty_cache()
         rows.append(row)
         if on_row is not None:

@@ -1,0 +1,322 @@
+"""The kernel of ``flash_attn_with_kvcache``: append new keys to a KV cache and attend over it, in one launch.
+
+The cache is contiguous, ``(cache batches, S_cache, Hkv, D)``, or paged, ``(pages, PAGE_SIZE, Hkv, D)``
+with a block table ``(B, max_blocks)`` naming the page of every PAGE_SIZE positions of a sequence
+(any page size: a key block may span pages, so pages are looked up per key). The kernels read the
+lengths (``cache_seqlens``) on the device: a decode step needs no host sync and can be captured
+in a CUDA graph.
+
+Sequence b is cache positions ``[leftpad_b, cache_seqlens_b + S_new)`` of cache batch
+``cache_batch_idx[b]`` (or b); its key j sits at position ``leftpad_b + j``. Lengths are clamped
+to the cache, and a cache batch index outside it empties the sequence, so bad lengths never move
+a load or a store outside the cache (block table entries are trusted).
+
+:func:`kvcache_attention_kernel` is a split-KV forward: the query heads of one KV head share a
+tile (packed query-row major, so a tile spans few query positions), the keys are cut into chunks
+of whole blocks, one program per (batch and KV head, chunk, packed block). With one chunk it
+writes the output itself; otherwise each chunk writes a float32 partial output and its log2 LSE,
+merged by :func:`fmha.backends.triton.split_kv.split_kv_combine_kernel`. Chunks past a
+sequence's length run no blocks. New keys and values (``APPEND``) are written by one program per
+sequence and KV head, at positions ``cache_seqlens_b + t`` and nowhere else; the programs read
+those keys from the new rows rather than from the cache, so the append costs no second launch.
+
+Which keys a query row sees is :mod:`fmha.backends.triton.masking`'s rule with the sequence's own
+length: row i sits at key position ``i + Sk_b - Sq`` (FlashAttention's bottom-right alignment).
+
+Rotary embeddings (cos/sin tables of ROTARY_DIM / 2 columns) rotate the new keys at positions
+``cache_seqlens_b + t``, and the queries at ``cache_seqlens_b + i`` (``ROTARY_AT_ROWS``, for causal
+or windowed calls) or all at ``cache_seqlens_b``: FlashAttention's convention, with pairs
+``(2i, 2i + 1)`` (``INTERLEAVED``) or ``(i, i + ROTARY_DIM / 2)``. Rotated values are rounded to
+the tensor's dtype, as if stored.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import load_rows
+from .forward import LN_2, _softmax_update
+from .masking import key_blocks
+
+# New rows written per step of the append (decode appends one): small, so that rotating them does
+# not raise the kernel's registers and spill.
+APPEND_ROWS: tl.constexpr = tl.constexpr(16)
+
+
+@triton.jit
+def _rotate(x, row_ptrs, stride_d, offs_d, positions, mask, Cos, Sin,
+            stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+            ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """``x`` [rows, BLOCK_D], loaded from ``row_ptrs`` [rows], rotated at ``positions`` [rows] (float32)."""
+    half: tl.constexpr = ROTARY_DIM // 2
+    if INTERLEAVED:
+        partner = offs_d ^ 1
+        angle = offs_d // 2
+        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+    else:
+        first_half = offs_d < half
+        partner = tl.where(first_half, offs_d + half, offs_d - half)
+        angle = tl.where(first_half, offs_d, offs_d - half)
+        sign = tl.where(first_half, -1.0, 1.0)
+    in_table = (positions >= 0) & (positions < rotary_rows)
+    rotated = mask & (offs_d[None, :] < ROTARY_DIM) & in_table[:, None]
+    other = tl.load(row_ptrs[:, None] + partner[None, :] * stride_d, mask=rotated, other=0.0).to(tl.float32)
+    cos = tl.load(Cos + positions[:, None] * stride_cos_row + angle[None, :] * stride_cos_d,
+                  mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(Sin + positions[:, None] * stride_sin_row + angle[None, :] * stride_sin_d,
+                  mask=rotated, other=0.0).to(tl.float32)
+    return x.to(tl.float32) * cos + sign[None, :] * other * sin
+
+
+@triton.jit
+def _cache_slots(table_row, cache_batch, positions, in_range, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """``(major, minor)`` int64 indices of sequence positions in the cache: (cache batch, position),
+    or (page from the block table, row in the page)."""
+    if PAGE_SIZE == 0:
+        return cache_batch.to(tl.int64), positions.to(tl.int64)
+    else:
+        if MASKED:
+            page = tl.load(table_row + positions // PAGE_SIZE, mask=in_range, other=0)
+        else:
+            page = tl.load(table_row + positions // PAGE_SIZE)
+        return page.to(tl.int64), (positions % PAGE_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _sequence(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, new_keys, capacity, cache_batches,
+              HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+    """``(cached, end, cache_batch)``: the sequence's cached length, the end of its keys after the
+    append (clamped to the cache; 0 for a cache batch index outside it) and its cache batch."""
+    if HAS_SEQLENS:
+        cached = tl.load(CacheSeqlens + batch)
+    else:
+        cached = cache_seqlen + 0 * batch
+    end = tl.minimum(tl.maximum(cached + new_keys, 0), capacity)
+    if HAS_BATCH_IDX:
+        cache_batch = tl.load(CacheBatchIdx + batch)
+        end = tl.where((cache_batch >= 0) & (cache_batch < cache_batches), end, 0)
+    else:
+        cache_batch = batch
+    return cached, end, cache_batch
+
+
+@triton.jit
+def _append_rows(k_new, v_new, k_head, v_head, stride_knt, stride_knd, stride_vnt, stride_vnd,
+                 stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+                 table_row, cache_batch, cached, end, new_keys, cache_batches, offs_d,
+                 Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+                 HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr):
+    """One sequence's new keys (rotated) and values into one KV head of the cache, at positions
+    ``cached + t``; positions past the sequence's end in the cache (and pages outside it) are dropped."""
+    for first in range(0, new_keys, BLOCK_T):
+        new = first + tl.arange(0, BLOCK_T)
+        positions = cached + new
+        keep = (new < new_keys) & (positions >= 0) & (positions < end)
+        major, minor = _cache_slots(table_row, cache_batch, positions, keep, PAGE_SIZE, True)
+        if PAGE_SIZE > 0:
+            keep = keep & (major >= 0) & (major < cache_batches)
+        mask = keep[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k_rows = k_new + new.to(tl.int64) * stride_knt
+        k = tl.load(k_rows[:, None] + offs_d[None, :] * stride_knd, mask=mask, other=0.0)
+        if ROTARY_DIM > 0:
+            k = _rotate(k, k_rows, stride_knd, offs_d, positions, mask, Cos, Sin, stride_cos_row, stride_cos_d,
+                        stride_sin_row, stride_sin_d, rotary_rows, ROTARY_DIM, ROTARY_INTERLEAVED)
+        k_slots = k_head + major * stride_kb + minor * stride_kn
+        tl.store(k_slots[:, None] + offs_d[None, :] * stride_kd, k.to(k_head.dtype.element_ty), mask=mask)
+        v_rows = v_new + new.to(tl.int64) * stride_vnt
+        v = tl.load(v_rows[:, None] + offs_d[None, :] * stride_vnd, mask=mask, other=0.0)
+        v_slots = v_head + major * stride_vb + minor * stride_vn
+        tl.store(v_slots[:, None] + offs_d[None, :] * stride_vd, v.to(v_head.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_block(cache_head, stride_cb, stride_cn, stride_cd, major, minor, new_rows, stride_nt, stride_nd,
+                keys, seqlen_k, new_start, cached, offs_d,
+                Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, MERGED: tl.constexpr,
+                ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr):
+    """Keys ``keys`` of K or V: from the cache, or (``MERGED``) from the new rows for keys at or past
+    ``new_start``, rotated as the append stores them; the cache's copies of those rows are being
+    written by this launch."""
+    cache_ptrs = cache_head + (major * stride_cb + minor * stride_cn)[:, None] + offs_d[None, :] * stride_cd
+    if MERGED:
+        fresh = keys >= new_start
+        in_range = (keys < seqlen_k)[:, None] & (offs_d[None, :] < HEAD_DIM)
+        stored = tl.load(cache_ptrs, mask=in_range & ~fresh[:, None], other=0.0)
+        rows = new_rows + (keys - new_start).to(tl.int64) * stride_nt
+        fresh_mask = in_range & fresh[:, None]
+        appended = tl.load(rows[:, None] + offs_d[None, :] * stride_nd, mask=fresh_mask, other=0.0)
+        if ROTARY_DIM > 0:
+            appended = _rotate(appended, rows, stride_nd, offs_d, cached + keys - new_start, fresh_mask, Cos, Sin,
+                               stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+                               ROTARY_DIM, ROTARY_INTERLEAVED)
+        return tl.where(fresh[:, None], appended.to(stored.dtype), stored)
+    else:
+        return load_rows(cache_ptrs, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, MASKED)
+
+
+@triton.jit
+def _attend_cache_blocks(
+    acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
+    stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt, stride_vnd,
+    Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+    rows, offs_d, start, end, leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, MERGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Keys [start, end) of the sequence (whole blocks from ``start``), masked or not; ``MERGED``
+    reads the keys being appended from the new rows."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + offs_n
+        major, minor = _cache_slots(table_row, cache_batch, leftpad + keys, keys < seqlen_k, PAGE_SIZE, MASKED)
+        k = _load_block(k_head, stride_kb, stride_kn, stride_kd, major, minor, k_new, stride_knt, stride_knd,
+                        keys, seqlen_k, new_start, cached, offs_d, Cos, Sin, stride_cos_row, stride_cos_d,
+                        stride_sin_row, stride_sin_d, rotary_rows, HEAD_DIM, BLOCK_D, MASKED, MERGED,
+                        ROTARY_DIM, ROTARY_INTERLEAVED)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        raw_scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        v = _load_block(v_head, stride_vb, stride_vn, stride_vd, major, minor, v_new, stride_vnt, stride_vnd,
+                        keys, seqlen_k, new_start, cached, offs_d, Cos, Sin, stride_cos_row, stride_cos_d,
+                        stride_sin_row, stride_sin_d, rotary_rows, HEAD_DIM, BLOCK_D, MASKED, MERGED, 0, False)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc, row_sum, row_max = _softmax_update(
+            acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_k, lo, hi, qk_scale,
+            MASKED, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, FUSED_SCALE)
+    return acc, row_sum, row_max
+
+
+@triton.jit(do_not_specialize=["cache_seqlen"])
+def kvcache_attention_kernel(
+    Q, KCache, VCache, KNew, VNew, Out, Lse, PartialOut, PartialLse,
+    CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Cos, Sin, cache_seqlen,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_knb, stride_knt, stride_knh, stride_knd,
+    stride_vnb, stride_vnt, stride_vnh, stride_vnd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_table, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d,
+    new_keys, capacity, cache_batches, rotary_rows,
+    num_kv_heads, group_size, seqlen_q, num_rows, chunk, window_left, window_right, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    APPEND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Program (batch * KV head, chunk, packed block) over keys [chunk * split, chunk * (split + 1)).
+
+    ``APPEND``: the program of chunk 0 and packed block 0 writes the sequence's new rows into the
+    cache (for its KV head), and every program reads the keys at or past ``cache_seqlens_b`` from
+    the new rows, so no program waits for another.
+    ``SPLIT``: ``PartialOut[split, b, h, i]`` and ``PartialLse`` (log2 units), rows (b, h, i)
+    flattened as in the combine kernel; else ``Out`` (B, Sq, Hq, D) and ``Lse`` (B, Hq, Sq).
+    """
+    batch = tl.program_id(0) // num_kv_heads
+    kv_head = tl.program_id(0) % num_kv_heads
+    split = tl.program_id(1)
+    packed_rows = group_size * seqlen_q
+    packed = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_range = packed < packed_rows
+    rows = packed // group_size  # query positions
+    heads = kv_head * group_size + packed % group_size
+    offs_d = tl.arange(0, BLOCK_D)
+
+    cached, end, cache_batch = _sequence(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, new_keys, capacity,
+                                         cache_batches, HAS_SEQLENS, HAS_BATCH_IDX)
+    if HAS_LEFTPAD:
+        leftpad = tl.minimum(tl.maximum(tl.load(CacheLeftpad + batch), 0), end)
+    else:
+        leftpad = 0
+    seqlen_k = end - leftpad
+    lo = seqlen_k - seqlen_q - window_left
+    hi = seqlen_k - seqlen_q + window_right
+    new_start = cached - leftpad  # the first appended key
+
+    k_head = KCache + kv_head.to(tl.int64) * stride_kh
+    v_head = VCache + kv_head.to(tl.int64) * stride_vh
+    table_row = BlockTable
+    if PAGE_SIZE > 0:
+        table_row = BlockTable + batch.to(tl.int64) * stride_table
+    k_new = KNew
+    v_new = VNew
+    if APPEND:
+        k_new = KNew + batch.to(tl.int64) * stride_knb + kv_head.to(tl.int64) * stride_knh
+        v_new = VNew + batch.to(tl.int64) * stride_vnb + kv_head.to(tl.int64) * stride_vnh
+        if (split == 0) & (tl.program_id(2) == 0):
+            _append_rows(k_new, v_new, k_head, v_head, stride_knt, stride_knd, stride_vnt, stride_vnd,
+                         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+                         table_row, cache_batch, cached, end, new_keys, cache_batches, offs_d,
+                         Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+                         HEAD_DIM, APPEND_ROWS, PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED)
+
+    first_row = tl.program_id(2) * BLOCK_M // group_size
+    last_row = (tl.minimum(tl.program_id(2) * BLOCK_M + BLOCK_M, packed_rows) - 1) // group_size
+    kv_start, full_start, full_end, kv_end = key_blocks(
+        first_row, last_row - first_row + 1, seqlen_k, lo, hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if APPEND:  # blocks holding appended keys run masked, reading those keys from the new rows
+        full_end = tl.maximum(tl.minimum(full_end, tl.maximum(new_start, 0) // BLOCK_N * BLOCK_N), full_start)
+    chunk_start = split * chunk
+    chunk_end = chunk_start + chunk
+
+    q_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q_rows = Q + batch.to(tl.int64) * stride_qb + rows.to(tl.int64) * stride_qm + heads.to(tl.int64) * stride_qh
+    q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    if ROTARY_DIM > 0:
+        if ROTARY_AT_ROWS:
+            positions = cached + rows
+        else:
+            positions = cached + 0 * rows
+        q = _rotate(q, q_rows, stride_qd, offs_d, positions, q_mask, Cos, Sin, stride_cos_row, stride_cos_d,
+                    stride_sin_row, stride_sin_d, rotary_rows, ROTARY_DIM, ROTARY_INTERLEAVED).to(Q.dtype.element_ty)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # The tile's three ranges (masked, whole blocks, masked), each cut to this chunk.
+    acc, row_sum, row_max = _attend_cache_blocks(
+        acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
+        stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
+        stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+        rows, offs_d, tl.maximum(kv_start, chunk_start), tl.minimum(full_start, chunk_end),
+        leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
+        DOT_PRECISION, FUSED_SCALE, DOT_FP32)
+    acc, row_sum, row_max = _attend_cache_blocks(
+        acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
+        stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
+        stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+        rows, offs_d, tl.maximum(full_start, chunk_start), tl.minimum(full_end, chunk_end),
+        leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, False, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
+        DOT_PRECISION, FUSED_SCALE, DOT_FP32)
+    acc, row_sum, row_max = _attend_cache_blocks(
+        acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
+        stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
+        stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+        rows, offs_d, tl.maximum(full_end, chunk_start), tl.minimum(kv_end, chunk_end),
+        leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
+        DOT_PRECISION, FUSED_SCALE, DOT_FP32)
+
+    # Rows that saw no key: output 0 and LSE -inf, never 0/0.
+    seen = row_sum > 0.0
+    row_sum_safe = tl.where(seen, row_sum, 1.0)
+    out = acc / row_sum_safe[:, None]
+    lse = tl.where(seen, row_max + tl.math.log2(row_sum_safe), float("-inf"))
+    index = (batch * num_kv_heads * group_size + heads).to(tl.int64) * seqlen_q + rows  # (b, h, i) flattened
+    if SPLIT:
+        index += split.to(tl.int64) * num_rows
+        tl.store(PartialOut + index[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
+        tl.store(PartialLse + index, lse, mask=in_range)
+    else:
+        o_rows = Out + batch.to(tl.int64) * stride_ob + rows.to(tl.int64) * stride_om + heads.to(tl.int64) * stride_oh
+        tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty), mask=q_mask)
+        tl.store(Lse + index, tl.where(seen, lse * LN_2, float("-inf")), mask=in_range)

@@ -1,0 +1,142 @@
+"""Launcher of the KV-cache kernels (fmha.backends.triton.kvcache) for one call signature.
+
+:class:`KVCacheForward` is prepared once per signature (shapes, strides, options, pointer
+alignment): grids, constexprs, and every integer argument, strides included, so a call passes
+only its tensors and the int form of cache_seqlens. The first call compiles through Triton's JIT;
+later calls launch the compiled kernels directly. Nothing here reads a device value or allocates
+outside torch's caching allocator, so calls can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ...compat import COMPILE_OPTIONS
+from ...kvcache_params import KVCacheParams
+from ...runtime import INTERPRETED, interpreter_upcasts, run_compiled
+from .config import KVCacheConfig, padded_head_dim
+from .forward import LOG2_E
+from .kvcache import kvcache_attention_kernel
+from .launch import SPLIT_KV_COMBINE_ROWS, dot_precision
+from .split_kv import split_kv_combine_kernel
+
+
+class _Launch:
+    """One kernel of a signature: its grid, the arguments fixed by the signature (after the
+    per-call ones) and its constexprs; compiled by the first call, launched directly after. A
+    build that needs more shared memory than the GPU has is retried with fewer pipeline stages."""
+
+    __slots__ = ("kernel", "grid", "fixed", "constants", "num_warps", "num_stages", "compiled", "compiled_tail")
+
+    def __init__(self, kernel, grid, constants, num_warps, num_stages):
+        self.kernel, self.grid, self.constants = kernel, grid, constants
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.fixed = self.compiled = self.compiled_tail = None
+
+    def __call__(self, device, *args):
+        if self.compiled is not None:
+            run_compiled(self.compiled, self.grid, device, args + self.compiled_tail)
+            return
+        while True:
+            try:
+                compiled = self.kernel[self.grid](*args, *self.fixed, **self.constants, num_warps=self.num_warps,
+                                                  num_stages=self.num_stages, **COMPILE_OPTIONS)
+                break
+            except triton.OutOfResources:  # raised before anything runs: a shallower pipeline fits
+                if self.num_stages == 1:
+                    raise
+                self.num_stages -= 1
+        if not INTERPRETED:
+            # The signature fixes every specialised integer and the pointers' alignment.
+            assert self.kernel.arg_names[-len(self.constants):] == list(self.constants)
+            self.compiled, self.compiled_tail = compiled, (*self.fixed, *self.constants.values())
+
+
+def _strides(tensor, count: int) -> tuple[int, ...]:
+    return tensor.stride() if tensor is not None else (0,) * count
+
+
+class KVCacheForward:
+    """``flash_attn_with_kvcache`` for one signature: calling it appends the new keys and values
+    (when given) and returns ``(out, lse)``: out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq)
+    float32. Tensors come in FlashAttention's order; ``cache_seqlen`` is the int form of
+    cache_seqlens (ignored when it is a tensor)."""
+
+    __slots__ = ("params", "config", "chunk", "splits", "attend_launch", "combine_launch", "device_index",
+                 "out_shape", "lse_shape", "partial_out_shape", "partial_lse_shape", "skip")
+
+    def __init__(self, params: KVCacheParams, config: KVCacheConfig):
+        p = self.params = params
+        self.config = config
+        blocks = max(1, -(-p.capacity // config.block_n))
+        self.chunk = -(-blocks // config.splits) * config.block_n
+        self.splits = max(1, -(-p.capacity // self.chunk))
+        packed_rows = p.group * p.seqlen_q
+        num_rows = p.batch * p.q_heads * p.seqlen_q
+        self.out_shape = (p.batch, p.seqlen_q, p.q_heads, p.head_dim)
+        self.lse_shape = (p.batch, p.q_heads, p.seqlen_q)
+        self.partial_out_shape = (self.splits, num_rows, p.head_dim)
+        self.partial_lse_shape = (self.splits, num_rows)
+        # No query rows: nothing to attend, and the append is skipped with them (a launch needs a program).
+        self.skip = p.device.type == "meta" or num_rows == 0
+        self.device_index = p.device.index if p.device.type == "cuda" else None
+
+        block_d = padded_head_dim(p.head_dim)
+        self.attend_launch = _Launch(
+            kvcache_attention_kernel, (p.batch * p.kv_heads, self.splits, -(-packed_rows // config.block_m)),
+            dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 PAGE_SIZE=p.page_size, HAS_SEQLENS=p.seqlens_on_device, HAS_BATCH_IDX=p.has_batch_idx,
+                 HAS_LEFTPAD=p.has_leftpad, APPEND=p.new_keys > 0,
+                 HAS_LEFT=p.window_left is not None, HAS_RIGHT=p.window_right is not None,
+                 ROTARY_DIM=p.rotary_dim, ROTARY_INTERLEAVED=p.rotary_interleaved, ROTARY_AT_ROWS=p.rotary_at_rows,
+                 SPLIT=self.splits > 1, DOT_PRECISION=dot_precision(p.dtype), FUSED_SCALE=p.scale > 0,
+                 DOT_FP32=interpreter_upcasts(p.dtype)),
+            config.num_warps, config.num_stages)
+        self.combine_launch = _Launch(
+            split_kv_combine_kernel, (-(-num_rows // SPLIT_KV_COMBINE_ROWS), 1, 1),
+            dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS), 4, 1)
+        # The output is a new contiguous (B, Sq, Hq, D) tensor; the combine kernel takes (b, h, i, d) strides.
+        self.combine_launch.fixed = (p.seqlen_q * p.q_heads * p.head_dim, p.head_dim, p.q_heads * p.head_dim, 1,
+                                     num_rows, p.q_heads, p.seqlen_q, self.splits)
+
+    def _prepare(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table):
+        """The first call's strides (fixed by the signature) join the integer arguments."""
+        p = self.params
+        self.attend_launch.fixed = (
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(k, 4), *_strides(v, 4),
+            p.seqlen_q * p.q_heads * p.head_dim, p.q_heads * p.head_dim, p.head_dim, 1,
+            block_table.stride(0) if block_table is not None else 0, *_strides(rotary_cos, 2),
+            *_strides(rotary_sin, 2), p.new_keys, p.capacity, p.cache_batches, p.rotary_rows, p.kv_heads, p.group,
+            p.seqlen_q, self.partial_lse_shape[1], self.chunk, p.window_left or 0, p.window_right or 0,
+            p.scale * LOG2_E)
+
+    def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+                 cache_batch_idx, cache_leftpad, block_table) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(self.out_shape, device=q.device, dtype=q.dtype)
+        lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
+        if self.skip:
+            return out, lse
+        if self.attend_launch.fixed is None:
+            self._prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table)
+        index = self.device_index
+        if index is not None and index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                self._launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+                             cache_batch_idx, cache_leftpad, block_table, out, lse)
+        else:
+            self._launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+                         cache_batch_idx, cache_leftpad, block_table, out, lse)
+        return out, lse
+
+    def _launch(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+                cache_batch_idx, cache_leftpad, block_table, out, lse):
+        if self.splits == 1:
+            self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, None, None, cache_seqlens,
+                               cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, cache_seqlen)
+            return
+        partial_out = torch.empty(self.partial_out_shape, device=q.device, dtype=torch.float32)
+        partial_lse = torch.empty(self.partial_lse_shape, device=q.device, dtype=torch.float32)
+        self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, partial_out, partial_lse, cache_seqlens,
+                           cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, cache_seqlen)
+        self.combine_launch(q.device, partial_out, partial_lse, out, lse)

@@ -1,0 +1,8 @@
+"""fmha inside other libraries' attention slots.
+
+* :mod:`fmha.integrations.sdpa`: PyTorch's flash-attention registry
+  (``torch.nn.attention.activate_flash_attention_impl("FMHA")``): SDPA's flash backend,
+  ``torch.nn.attention.varlen.varlen_attn`` and PyTorch's context parallelism run fmha's kernels.
+"""
+
+from . import sdpa  # noqa: F401  (registers "FMHA"; activating it is the user's choice)

@@ -1,0 +1,236 @@
+"""The validated form of a ``flash_attn_with_kvcache`` call: :class:`KVCacheParams`.
+
+It holds everything the kernels are specialised on: shapes, dtype, device, which optional tensors
+are given, and the options; strides and pointer alignment join it in the launch cache's key.
+:func:`kvcache_params` raises ``TypeError`` / ``ValueError`` / ``NotImplementedError`` naming the
+argument, before anything is launched. Values that live on the device (``cache_seqlens``,
+``cache_batch_idx``, ``cache_leftpad``, the block table's entries) are never read on the host:
+that would need a sync. The kernels clamp lengths and cache batch indices into the cache instead;
+block table entries must name pages of the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from .flash_attn import _window
+from .params import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_flag
+from .runtime import INTERPRETED
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheParams:
+    batch: int
+    seqlen_q: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    capacity: int  # key positions one sequence can hold: S_cache, or max_blocks * page_size
+    cache_batches: int  # k_cache.shape[0]: cache batches, or pages
+    page_size: int  # 0: a contiguous cache
+    new_keys: int  # S_new: rows of k and v to append (0: none)
+    seqlens_on_device: bool  # cache_seqlens is a tensor; else an int, passed with each call
+    has_batch_idx: bool
+    has_leftpad: bool
+    rotary_dim: int  # 0: no rotary embedding
+    rotary_rows: int
+    rotary_interleaved: bool
+    scale: float
+    window_left: int | None  # row i sees keys i + Sk_b - Sq - left <= j <= i + Sk_b - Sq + right
+    window_right: int | None
+    num_splits: int  # 0: the heuristic
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def rotary_at_rows(self) -> bool:
+        """FlashAttention rotates query i at cache_seqlens + i under a causal or local mask, else
+        every query at cache_seqlens."""
+        return self.window_left is not None or self.window_right is not None
+
+    @property
+    def no_output(self) -> bool:
+        return self.batch * self.seqlen_q * self.q_heads == 0
+
+
+def _tensor(fn: str, name: str, tensor, ndim: int, meaning: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.ndim != ndim:
+        raise ValueError(f"{fn}: {name} must be {ndim}-D {meaning}, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def _on_device(fn: str, name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    if tensor.device != device:
+        raise ValueError(f"{fn}: {name} is on {tensor.device}, q on {device}; they must be on the same device")
+
+
+def _int32_per_sequence(fn: str, name: str, tensor, batch: int, device: torch.device) -> None:
+    _tensor(fn, name, tensor, 1, "(batch,)")
+    if tensor.dtype != torch.int32:
+        raise TypeError(f"{fn}: {name} must be torch.int32, got {tensor.dtype}")
+    if tensor.shape[0] != batch:
+        raise ValueError(f"{fn}: {name} must have one entry per sequence ({batch}), got {tensor.shape[0]}")
+    _on_device(fn, name, tensor, device)
+
+
+def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                   alibi_slopes, num_splits) -> KVCacheParams:
+    """Check every argument of ``flash_attn_with_kvcache`` and reduce them to a KVCacheParams."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"{fn}: softcap must be a float (0.0: off), got {type(softcap).__name__}")
+    if softcap != 0.0:
+        raise NotImplementedError(f"{fn}: softcap is not supported yet")
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{fn}: alibi_slopes is not supported yet")
+    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _tensor(fn, name, tensor, 4, "(batch, seqlen, heads, head_dim)" if name == "q" else
+                "(batch, seqlen, heads, head_dim), or (pages, page_size, heads, head_dim) with block_table")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{fn}: {name} has dtype {tensor.dtype}; supported dtypes are torch.float16, "
+                            "torch.bfloat16 and torch.float32")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise TypeError(f"{fn}: q, k_cache and v_cache must have the same dtype, got {q.dtype}, {k_cache.dtype} "
+                        f"and {v_cache.dtype}")
+    device = q.device
+    if device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError(f"{fn}: q is a CPU tensor, and fmha's kernels run on the GPU. To run them on the CPU "
+                           "through Triton's interpreter, set TRITON_INTERPRET=1 before importing triton or fmha.")
+    if device.type not in ("cuda", "cpu", "meta"):
+        raise ValueError(f"{fn}: q is on device {device}; fmha runs on CUDA devices (or on the CPU under "
+                         "TRITON_INTERPRET=1, or on meta tensors for shapes only)")
+    _on_device(fn, "k_cache", k_cache, device)
+    _on_device(fn, "v_cache", v_cache, device)
+    batch, seqlen_q, q_heads, head_dim = q.shape
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{fn}: head dim (last dim of q) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"{fn}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"{fn}: k_cache's head dim ({k_cache.shape[3]}) differs from q's ({head_dim})")
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"{fn}: the number of query heads ({q_heads}, in q) must be a multiple of the number of "
+                         f"key/value heads ({kv_heads}, in k_cache)")
+
+    if block_table is not None:
+        _tensor(fn, "block_table", block_table, 2, "(batch, max_blocks_per_sequence)")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"{fn}: block_table must be torch.int32, got {block_table.dtype}")
+        if block_table.shape[0] != batch:
+            raise ValueError(f"{fn}: block_table must have one row per sequence ({batch}), got {block_table.shape[0]}")
+        _on_device(fn, "block_table", block_table, device)
+        if cache_batch_idx is not None:
+            raise ValueError(f"{fn}: cache_batch_idx cannot be used with block_table (the block table already "
+                             "names each sequence's pages)")
+        page_size = k_cache.shape[1]
+        if page_size == 0:
+            raise ValueError(f"{fn}: k_cache's page size (its dim 1, with block_table) must be at least 1")
+        capacity = block_table.shape[1] * page_size
+    else:
+        page_size = 0
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] < batch:
+            raise ValueError(f"{fn}: k_cache holds {k_cache.shape[0]} sequences, q has {batch}; pass "
+                             "cache_batch_idx to pick cache rows")
+    if cache_batch_idx is not None:
+        _int32_per_sequence(fn, "cache_batch_idx", cache_batch_idx, batch, device)
+    if cache_leftpad is not None:
+        _int32_per_sequence(fn, "cache_leftpad", cache_leftpad, batch, device)
+
+    seqlens_on_device = isinstance(cache_seqlens, torch.Tensor)
+    if seqlens_on_device:
+        _int32_per_sequence(fn, "cache_seqlens", cache_seqlens, batch, device)
+    elif cache_seqlens is not None and (isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int)):
+        raise TypeError(f"{fn}: cache_seqlens must be an int, an int32 tensor (batch,) or None, "
+                        f"got {type(cache_seqlens).__name__}")
+
+    new_keys = 0
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: k and v must be given together (new keys and values to append)")
+    if k is not None:
+        for name, tensor in (("k", k), ("v", v)):
+            _tensor(fn, name, tensor, 4, "(batch, seqlen_new, kv_heads, head_dim)")
+            if tensor.dtype != q.dtype:
+                raise TypeError(f"{fn}: {name} must have q's dtype {q.dtype}, got {tensor.dtype}")
+            _on_device(fn, name, tensor, device)
+            if tensor.shape[0] != batch or tensor.shape[2:] != k_cache.shape[2:]:
+                raise ValueError(f"{fn}: {name} must be (batch={batch}, seqlen_new, kv_heads={kv_heads}, "
+                                 f"head_dim={head_dim}), got {tuple(tensor.shape)}")
+        if v.shape != k.shape:
+            raise ValueError(f"{fn}: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if cache_seqlens is None:
+            raise ValueError(f"{fn}: appending k and v needs cache_seqlens (where each sequence's new keys go)")
+        new_keys = k.shape[1]
+        if new_keys > capacity:
+            raise ValueError(f"{fn}: k has {new_keys} new keys per sequence, more than the cache holds ({capacity})")
+
+    rotary_dim = rotary_rows = 0
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{fn}: rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        for name, tensor in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _tensor(fn, name, tensor, 2, "(positions, rotary_dim / 2)")
+            if not tensor.is_floating_point():
+                raise TypeError(f"{fn}: {name} must be a floating-point tensor, got {tensor.dtype}")
+            _on_device(fn, name, tensor, device)
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"{fn}: rotary_cos and rotary_sin must have the same shape, got "
+                             f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if k is None:
+            raise ValueError(f"{fn}: rotary_cos and rotary_sin rotate the new keys: they need k and v")
+        rotary_rows, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+        if not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"{fn}: the rotary dim (2 * rotary_cos.shape[1] = {rotary_dim}) must be between 2 and "
+                             f"the head dim ({head_dim})")
+        if rotary_rows < capacity:
+            raise ValueError(f"{fn}: rotary_cos has {rotary_rows} positions, fewer than the cache holds ({capacity})")
+
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"{fn}: softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    elif not math.isfinite(softmax_scale):
+        raise ValueError(f"{fn}: softmax_scale must be finite, got {softmax_scale}")
+    else:
+        scale = float(softmax_scale)
+    check_flag(fn, "causal", causal)
+    check_flag(fn, "rotary_interleaved", rotary_interleaved)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"{fn}: num_splits must be an int >= 0 (0: chosen by a heuristic), got {num_splits!r}")
+    left, right = _window(fn, window_size) or (None, None)
+    if causal:
+        right = 0
+    # As FlashAttention: a side at least as long as the cache is unbounded (which also decides
+    # where rotary puts the queries).
+    left = None if left is not None and left >= capacity else left
+    right = None if right is not None and right >= capacity else right
+
+    return KVCacheParams(
+        batch=batch, seqlen_q=seqlen_q, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=q.dtype,
+        device=device, capacity=capacity, cache_batches=k_cache.shape[0], page_size=page_size, new_keys=new_keys,
+        seqlens_on_device=seqlens_on_device, has_batch_idx=cache_batch_idx is not None,
+        has_leftpad=cache_leftpad is not None, rotary_dim=rotary_dim, rotary_rows=rotary_rows,
+        rotary_interleaved=rotary_interleaved, scale=scale, window_left=left, window_right=right,
+        num_splits=num_splits)
+
+
+def check_cache_seqlen(fn: str, cache_seqlens, params: KVCacheParams) -> int:
+    """The per-call int form of ``cache_seqlens`` (None: the whole cache), checked against the cache."""
+    if cache_seqlens is None:
+        return params.capacity
+    if not 0 <= cache_seqlens <= params.capacity - params.new_keys:
+        raise ValueError(f"{fn}: cache_seqlens={cache_seqlens} with {params.new_keys} new keys does not fit the "
+                         f"cache ({params.capacity} positions per sequence)")
+    return cache_seqlens

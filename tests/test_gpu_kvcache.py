@@ -1,0 +1,132 @@
+"""flash_attn_with_kvcache on the GPU (marker ``gpu``): contiguous and paged caches (page sizes
+1 to 256, powers of two or not), ragged lengths, GQA, append, rotary, leftpad, cache_batch_idx,
+splits, against the float64 reference by the project's error rule; CUDA-graph capture and
+torch.compile of a decode step."""
+
+import zlib
+
+import pytest
+import torch
+
+import fmha
+from fmha.testing import check_kvcache, random_kvcache
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16]
+HEADS = [(1, 32, 8), (4, 16, 16), (3, 8, 1)]  # (batch, q heads, kv heads)
+PAGES = [None, 1, 16, 24, 256]
+
+
+def check(case, **options):
+    return check_kvcache(fmha.flash_attn_with_kvcache, case, **options)
+
+
+def seed_of(*values) -> int:
+    return zlib.crc32(repr(values).encode())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch, q_heads, kv_heads", HEADS, ids=lambda value: str(value))
+@pytest.mark.parametrize("page_size", PAGES, ids=lambda size: "contiguous" if size is None else f"page{size}")
+@pytest.mark.parametrize("capacity", [300, 4096])
+@pytest.mark.parametrize("seqlen_q, causal", [(1, False), (4, True)], ids=["decode", "speculative4-causal"])
+def test_kvcache_gpu(dtype, batch, q_heads, kv_heads, page_size, capacity, seqlen_q, causal):
+    case = random_kvcache(batch, seqlen_q, q_heads, kv_heads, 128, capacity, new_keys=seqlen_q, dtype=dtype,
+                          device="cuda", page_size=page_size, seed=seed_of(dtype, batch, q_heads, page_size, capacity))
+    check(case, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary_leftpad_and_batch_index_gpu(dtype, interleaved, causal):
+    case = random_kvcache(4, 3, 16, 4, 128, 1000, new_keys=3, dtype=dtype, device="cuda", rotary_dim=64,
+                          seed=seed_of(dtype, interleaved, causal))
+    case["k_cache"] = torch.cat([case["k_cache"], case["k_cache"][:2].flip(1)])
+    case["v_cache"] = torch.cat([case["v_cache"], case["v_cache"][:2].flip(1)])
+    case["cache_batch_idx"] = torch.tensor([5, 2, 0, 4], dtype=torch.int32, device="cuda")
+    case["cache_leftpad"] = torch.minimum(case["cache_seqlens"], torch.tensor([0, 7, 100, 3], device="cuda")).int()
+    check(case, causal=causal, rotary_interleaved=interleaved)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
+def test_head_dims_gpu(dtype, head_dim):
+    case = random_kvcache(2, 2, 8, 2, head_dim, 2000, new_keys=2, dtype=dtype, device="cuda", page_size=16,
+                          rotary_dim=32, seed=seed_of(dtype, head_dim))
+    check(case, causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 2, 7, 64])
+@pytest.mark.parametrize("window_size", [(-1, -1), (200, 0), (50, 10)], ids=lambda w: f"left{w[0]}-right{w[1]}")
+def test_splits_and_windows_gpu(num_splits, window_size):
+    case = random_kvcache(3, 8, 32, 8, 128, 3000, new_keys=8, dtype=torch.bfloat16, device="cuda", page_size=24,
+                          lengths=[2990, 0, 1234], seed=seed_of(num_splits, window_size))
+    check(case, window_size=window_size, num_splits=num_splits)
+
+
+def test_chunked_prefill_gpu():
+    """A long chunk of new queries (Sq = 300) over a paged cache: several packed tiles."""
+    case = random_kvcache(2, 300, 16, 4, 128, 2048, new_keys=300, dtype=torch.bfloat16, device="cuda",
+                          page_size=16, lengths=[0, 1500], seed=3)
+    check(case, causal=True)
+
+
+def test_decode_suite_shape_gpu():
+    """The benchmark's dense decode: B32 H32/8 Sk8192 D128, int cache_seqlens."""
+    case = random_kvcache(32, 1, 32, 8, 128, 8192, new_keys=0, dtype=torch.bfloat16, device="cuda", seed=5)
+    case["cache_seqlens"] = 8192
+    check(case)
+
+
+def _decode_step(seed, page_size=16):
+    return random_kvcache(8, 1, 32, 8, 128, 1024, new_keys=1, dtype=torch.bfloat16, device="cuda",
+                          page_size=page_size, rotary_dim=128, lengths=[(seed + 113 * i) % 1000 for i in range(8)],
+                          seed=seed)
+
+
+def test_cuda_graph_capture_and_replay_equal_eager_gpu():
+    """A decode step (append + rotary + paged attention, lengths on the device) in a CUDA graph:
+    each replay, with new q/k/v and lengths written into the captured buffers, equals eager."""
+    graph_case = _decode_step(11)
+    eager_case = {name: value.clone() for name, value in graph_case.items()}
+    warm = {name: value.clone() for name, value in graph_case.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        fmha.flash_attn_with_kvcache(**warm, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fmha.flash_attn_with_kvcache(**graph_case, causal=True)
+    for step in range(4):
+        fresh = _decode_step(100 + step)
+        for name in ("q", "k", "v"):
+            graph_case[name].copy_(fresh[name])
+            eager_case[name].copy_(fresh[name])
+        if step:
+            graph_case["cache_seqlens"] += 1
+            eager_case["cache_seqlens"] += 1
+        graph.replay()
+        expected = fmha.flash_attn_with_kvcache(**eager_case, causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+        assert torch.equal(graph_case["k_cache"], eager_case["k_cache"])
+        assert torch.equal(graph_case["v_cache"], eager_case["v_cache"])
+
+
+def test_torch_compile_fullgraph_decode_step_gpu():
+    eager_case = _decode_step(12, page_size=None)
+    compiled_case = {name: value.clone() for name, value in eager_case.items()}
+
+    def step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens):
+        out = fmha.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                           causal=True)
+        return out * 2
+
+    expected = step(**eager_case)
+    got = torch.compile(step, fullgraph=True)(**compiled_case)
+    assert torch.equal(got, expected)
+    assert torch.equal(compiled_case["k_cache"], eager_case["k_cache"])
+    assert torch.equal(compiled_case["v_cache"], eager_case["v_cache"])

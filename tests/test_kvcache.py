@@ -1,0 +1,237 @@
+"""flash_attn_with_kvcache on the CPU through the interpreter, against the float64 reference
+(fmha.reference.kvcache_sequences: what each sequence attends, spelled out)."""
+
+import pytest
+import torch
+import triton
+
+import fmha
+from fmha import kvcache_ops
+from fmha.backends.triton.config import KVCacheConfig
+from fmha.backends.triton.kvcache_launch import _Launch
+from fmha.testing import check_kvcache, random_kvcache
+
+pytestmark = pytest.mark.interpreter
+
+
+def kvcache_case(batch=3, seqlen_q=1, q_heads=4, kv_heads=2, head_dim=32, capacity=80, **kwargs):
+    kwargs.setdefault("dtype", torch.float16)
+    return random_kvcache(batch, seqlen_q, q_heads, kv_heads, head_dim, capacity, **kwargs)
+
+
+def check(case, **options):
+    return check_kvcache(fmha.flash_attn_with_kvcache, case, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("page_size", [None, 1, 16, 24, 64],
+                         ids=lambda size: "contiguous" if size is None else f"page{size}")
+def test_decode_with_append(dtype, page_size):
+    """Ragged lengths, GQA, one new key per sequence, appended and attended in one call."""
+    case = kvcache_case(dtype=dtype, page_size=page_size, capacity=100)
+    check(case, num_splits=3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_several_queries_and_splits(num_splits, causal):
+    """Speculative decoding / chunked prefill: Sq > 1 bottom-right aligned to each sequence's keys."""
+    case = kvcache_case(seqlen_q=5, new_keys=5, q_heads=6, kv_heads=2, dtype=torch.float32, lengths=[0, 17, 60])
+    check(case, causal=causal, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page_size", [None, 24])
+def test_a_long_append_read_back_in_the_same_call(page_size):
+    """Chunked prefill: 24 new keys span several key blocks and chunks; every program reads them
+    from k and v while one per sequence and KV head writes them."""
+    case = kvcache_case(batch=2, seqlen_q=24, new_keys=24, capacity=80, page_size=page_size, rotary_dim=16,
+                        lengths=[0, 37], dtype=torch.float32)
+    check(case, causal=True, num_splits=3)
+
+
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_the_gpus_key_blocks(monkeypatch, block_n):
+    """The GPU's tiles (the interpreter pins 16 keys per block): rotated new keys read back inside
+    wider masked blocks, several chunks."""
+    monkeypatch.setattr(kvcache_ops, "kvcache_config",
+                        lambda params, multiprocessors: KVCacheConfig(16, block_n, 4, 2, 3))
+    kvcache_ops.forget()
+    case = kvcache_case(seqlen_q=3, new_keys=3, capacity=200, page_size=24, rotary_dim=16, lengths=[0, 90, 197])
+    check(case, causal=True)
+    kvcache_ops.forget()
+
+
+def test_a_build_short_of_shared_memory_retries_with_fewer_stages():
+    class Kernel:  # stands in for a JIT function whose builds need more than 2 stages' worth
+        arg_names = ["X", "BLOCK"]
+        stages = []
+
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **options):
+                self.stages.append(num_stages)
+                if num_stages > 2:
+                    raise triton.OutOfResources(300_000, 232_448, "shared memory")
+            return launch
+
+    launch = _Launch(Kernel(), (1, 1, 1), {"BLOCK": 16}, 4, 4)
+    launch.fixed = ()
+    launch(torch.device("cpu"), torch.zeros(1))
+    assert Kernel.stages == [4, 3, 2] and launch.num_stages == 2
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary(page_size, interleaved, causal):
+    """Rotary on the new keys (at cache_seqlens + t) and the queries (at cache_seqlens + i when
+    causal, all at cache_seqlens otherwise), on a partial rotary dim."""
+    case = kvcache_case(seqlen_q=3, new_keys=3, head_dim=40, rotary_dim=24, page_size=page_size)
+    check(case, causal=causal, rotary_interleaved=interleaved, num_splits=2)
+
+
+def test_rotary_of_the_whole_head_in_float32():
+    case = kvcache_case(head_dim=32, rotary_dim=32, dtype=torch.float32, new_keys=2, seqlen_q=2)
+    check(case, causal=True)
+
+
+def test_cache_batch_idx():
+    """Sequences read and append to the cache batches that cache_batch_idx names; others stay."""
+    case = kvcache_case(batch=3, capacity=48, new_keys=2)
+    extra = torch.randn(2, *case["k_cache"].shape[1:]).to(case["k_cache"].dtype)
+    case["k_cache"] = torch.cat([case["k_cache"], extra])
+    case["v_cache"] = torch.cat([case["v_cache"], extra.flip(0)])
+    case["cache_batch_idx"] = torch.tensor([4, 0, 2], dtype=torch.int32)
+    check(case, num_splits=2)
+
+
+@pytest.mark.parametrize("page_size", [None, 24])
+def test_leftpad_with_a_window(page_size):
+    """Sequence b starts at cache position leftpad_b: key j is position leftpad_b + j."""
+    case = kvcache_case(seqlen_q=2, new_keys=2, capacity=72, page_size=page_size, lengths=[30, 5, 50])
+    case["cache_leftpad"] = torch.tensor([4, 5, 0], dtype=torch.int32)
+    check(case, causal=True, window_size=(9, -1), num_splits=2)
+
+
+@pytest.mark.parametrize("window_size", [(7, 0), (5, 3), (-1, 2)], ids=str)
+def test_windows_follow_each_sequences_length(window_size):
+    case = kvcache_case(seqlen_q=4, new_keys=0, dtype=torch.float32, lengths=[70, 9, 33])
+    check(case, window_size=window_size, num_splits=3)
+
+
+def test_only_the_appended_rows_change():
+    case = kvcache_case(new_keys=3, page_size=16, capacity=64, lengths=[0, 13, 61])
+    k_before, v_before = case["k_cache"].clone(), case["v_cache"].clone()
+    fmha.flash_attn_with_kvcache(**case)
+    changed = (case["k_cache"] != k_before).any(-1).any(-1) | (case["v_cache"] != v_before).any(-1).any(-1)
+    expected = torch.zeros_like(changed)
+    for b, length in enumerate([0, 13, 61]):
+        for position in range(length, length + 3):
+            expected[case["block_table"][b, position // 16], position % 16] = True
+    assert torch.equal(changed, expected)
+
+
+def test_int_and_absent_cache_seqlens():
+    case = kvcache_case(new_keys=2, lengths=[20, 20, 20])
+    int_case = {**case, "cache_seqlens": 20, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
+    check(case)
+    check(int_case)
+    whole = kvcache_case(new_keys=0, capacity=40)
+    del whole["cache_seqlens"]
+    check(whole, causal=True)
+
+
+def test_rows_that_see_no_key_are_zero_with_lse_minus_inf():
+    """More queries than keys, causal: the first rows see nothing; an empty sequence sees nothing."""
+    case = kvcache_case(seqlen_q=6, new_keys=0, lengths=[3, 0, 20], dtype=torch.float32)
+    out, lse = check(case, causal=True, num_splits=2)
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    assert torch.isneginf(lse[0, :, :3]).all() and torch.isfinite(lse[0, :, 3:]).all()
+
+
+def test_head_dim_not_a_power_of_two_and_mqa():
+    case = kvcache_case(q_heads=5, kv_heads=1, head_dim=24, page_size=16, new_keys=1)
+    check(case, softmax_scale=0.3, num_splits=4)
+
+
+def test_bfloat16_computes_in_float32_under_the_interpreter():
+    case = kvcache_case(dtype=torch.bfloat16, page_size=16)
+    check(case)
+
+
+def test_a_decode_step_reuses_its_launches():
+    """Changing lengths (tensor or int) does not change the signature: no new validation."""
+    kvcache_ops.forget()
+    case = kvcache_case(new_keys=1)
+    for step in range(3):
+        case["cache_seqlens"] = case["cache_seqlens"] + 1
+        fmha.flash_attn_with_kvcache(**case)
+        fmha.flash_attn_with_kvcache(**{**case, "cache_seqlens": 10 + step})
+    assert len(kvcache_ops._signatures) == 2
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    eager_case = kvcache_case(seqlen_q=2, new_keys=2, page_size=16, rotary_dim=16)
+    compiled_case = {name: value.clone() for name, value in eager_case.items()}
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin):
+        return fmha.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                            block_table=block_table, causal=True, return_softmax_lse=True)
+
+    expected = step(**eager_case)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(**compiled_case)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(compiled_case[name], eager_case[name])
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_meta_tensors_give_shapes():
+    q = torch.empty(2, 3, 8, 64, device="meta", dtype=torch.float16)
+    cache = torch.empty(2, 128, 2, 64, device="meta", dtype=torch.float16)
+    out, lse = fmha.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=7, return_softmax_lse=True)
+    assert out.shape == (2, 3, 8, 64) and lse.shape == (2, 8, 3) and lse.dtype == torch.float32
+
+
+def _bad(**changes):
+    case = kvcache_case(batch=2, new_keys=1, page_size=16, rotary_dim=16, capacity=64)
+    case.update(changes)
+    return case
+
+
+@pytest.mark.parametrize("changes, error, pattern", [
+    (dict(softcap=1.0), NotImplementedError, "softcap"),
+    (dict(alibi_slopes=torch.ones(4)), NotImplementedError, "alibi_slopes"),
+    (dict(q=torch.ones(2, 1, 4, 32, dtype=torch.int32)), TypeError, "q has dtype"),
+    (dict(q=torch.ones(2, 4, 32, dtype=torch.float16)), ValueError, "q must be 4-D"),
+    (dict(k_cache=torch.ones(11, 16, 2, 32, dtype=torch.float32)), TypeError, "same dtype"),
+    (dict(v_cache=torch.ones(11, 8, 2, 32, dtype=torch.float16)), ValueError, "k_cache and v_cache must have the same"),
+    (dict(q=torch.ones(2, 1, 3, 32, dtype=torch.float16)), ValueError, "multiple"),
+    (dict(block_table=torch.zeros(2, 4, dtype=torch.int64)), TypeError, "block_table must be torch.int32"),
+    (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)), ValueError, "block_table must have one row"),
+    (dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32)), ValueError, "cache_batch_idx cannot be used with"),
+    (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), TypeError, "cache_seqlens must be torch.int32"),
+    (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_seqlens must have one entry"),
+    (dict(cache_seqlens=2.0), TypeError, "cache_seqlens must be an int"),
+    (dict(cache_seqlens=64), ValueError, "does not fit the cache"),
+    (dict(cache_seqlens=None), ValueError, "needs cache_seqlens"),
+    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int64)), TypeError, "cache_leftpad must be torch.int32"),
+    (dict(v=None), ValueError, "k and v must be given together"),
+    (dict(k=torch.ones(2, 1, 3, 32, dtype=torch.float16)), ValueError, "k must be"),
+    (dict(k=torch.ones(2, 65, 2, 32, dtype=torch.float16), v=torch.ones(2, 65, 2, 32, dtype=torch.float16)),
+     ValueError, "more than the cache holds"),
+    (dict(rotary_sin=None), ValueError, "rotary_cos and rotary_sin must be given together"),
+    (dict(rotary_cos=torch.ones(64, 20), rotary_sin=torch.ones(64, 20)), ValueError, "rotary dim"),
+    (dict(rotary_cos=torch.ones(32, 8), rotary_sin=torch.ones(32, 8)), ValueError, "fewer than the cache holds"),
+    (dict(k=None, v=None), ValueError, "rotary_cos and rotary_sin rotate the new keys"),
+    (dict(softmax_scale="x"), TypeError, "softmax_scale"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size"),
+    (dict(num_splits=-1), ValueError, "num_splits"),
+    (dict(return_softmax_lse=None), TypeError, "return_softmax_lse"),
+], ids=lambda value: None if isinstance(value, dict) else str(value))
+def test_bad_arguments_are_named_before_any_launch(changes, error, pattern):
+    case = _bad(**changes)
+    k_before = case["k_cache"].clone()
+    with pytest.raises(error, match=pattern):
+        fmha.flash_attn_with_kvcache(**case)
+    assert torch.equal(case["k_cache"], k_before)
