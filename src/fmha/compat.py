@@ -79,8 +79,9 @@ def active_launch_hooks():
 # --- Gluon ----------------------------------------------------------------------------------------
 
 def _gluon():
-    """(GluonASTSource, tma_load, tma_store), or the ImportError that says why Gluon is unusable."""
+    """(GluonASTSource, tma_load, tma_store, cta_barrier), or the ImportError that says why Gluon is unusable."""
     try:
+        from triton.experimental.gluon import language as gl
         from triton.experimental.gluon._runtime import GluonASTSource  # private: the compile source of a Gluon kernel
         from triton.experimental.gluon.language.nvidia.hopper import tma
     except ImportError as error:
@@ -90,12 +91,14 @@ def _gluon():
         load, store = tma.async_load, tma.async_store
     else:
         load, store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
-    return GluonASTSource, load, store
+    # A barrier over the threads of a CTA (of a warp partition): thread_barrier until 3.6, barrier from 3.7.
+    barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    return GluonASTSource, load, store, barrier
 
 
 _GLUON = _gluon()
 GLUON_IMPORT_ERROR = _GLUON if isinstance(_GLUON, ImportError) else None
 if GLUON_IMPORT_ERROR is None:
-    GluonASTSource, tma_load, tma_store = _GLUON
+    GluonASTSource, tma_load, tma_store, cta_barrier = _GLUON
 else:
-    GluonASTSource = tma_load = tma_store = None
+    GluonASTSource = tma_load = tma_store = cta_barrier = None

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ...compat import tma_load, tma_store
+from ...compat import cta_barrier, tma_load, tma_store
 from .masking import key_blocks, sequence_span, visible
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -367,9 +367,9 @@ def _store_rows(out, staging, base, stride_row, row0, num_rows):
     tma.store_wait(0)  # the previous tile's output has left the staging buffer
     staging = staging.reshape(out.shape)
     staging.store(out)
-    gl.thread_barrier()  # every row is in shared memory before any thread reads another's
+    cta_barrier()  # every row is in shared memory before any thread reads another's
     out = staging.load(layout)
-    gl.thread_barrier()  # and read before the next tile writes the buffer again
+    cta_barrier()  # and read before the next tile writes the buffer again
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     columns = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
     pointers = base + rows.to(gl.int64)[:, None] * stride_row + columns[None, :]
