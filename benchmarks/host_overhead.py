@@ -4,9 +4,12 @@
 
 Shapes: a tiny forward (1,1,128,64), the seeds' small case (1,16,1024,64) and two decode shapes
 (B1 H32/8 Sq1 Sk4096 D128; B8 H32/8 Sq1 Sk2048 D128), each against SDPA flash and cuDNN in the
-same interleaved rounds. Works with this tree and with older ones (``fmha.attention`` only).
+same interleaved rounds; and packed sequences (4 x 256 tokens, H16 D64, causal) through
+``flash_attn_varlen_func`` against ``torch.nn.attention.varlen.varlen_attn``, when both exist.
+Works with this tree and with older ones (``fmha.attention`` only).
 """
 
+import inspect
 import json
 import statistics
 import sys
@@ -40,6 +43,23 @@ def host_us_per_call(fns: dict, calls=1000, rounds=7) -> dict:
     return {name: {"min_us": min(values), "median_us": statistics.median(values)} for name, values in samples.items()}
 
 
+def varlen_host_us() -> dict:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return {}
+    if not hasattr(fmha, "flash_attn_varlen_func"):
+        return {}
+    lengths = [256] * 4
+    cu = torch.tensor([0, 256, 512, 768, 1024], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lengths), 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    causal = ({"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters
+              else {"is_causal": True})
+    fns = {"fmha.flash_attn_varlen_func": lambda: fmha.flash_attn_varlen_func(q, k, v, cu, cu, 256, 256, causal=True),
+           "varlen_attn": lambda: varlen_attn(q, k, v, cu, cu, 256, 256, **causal)}
+    return {f"varlen 4x256 H16 D64 causal | {name}": result for name, result in host_us_per_call(fns).items()}
+
+
 def main():
     results = {}
     for label, (batch, hq, hkv, sq, sk, d) in SHAPES.items():
@@ -57,6 +77,7 @@ def main():
                "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
         for name, result in host_us_per_call(fns).items():
             results[f"{label} | {name}"] = result
+    results.update(varlen_host_us())
     print(f"{'':<60} {'min':>7} {'median':>7}  µs per call ({fmha.__version__}, {fmha.__file__})")
     for name, result in results.items():
         print(f"{name:<60} {result['min_us']:7.1f} {result['median_us']:7.1f}")
