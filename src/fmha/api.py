@@ -170,13 +170,29 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Returns:
         out (total_q, Hq, D), or ``(out, lse)`` with lse (Hq, total_q) float32 when ``return_lse``.
     """
-    fn = "fmha.varlen_attention"
+    return packed_attention("fmha.varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, causal=causal, scale=scale, window=window, softcap=softcap,
+                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=return_lse,
+                            deterministic=deterministic)
+
+
+def packed_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, window,
+                     softcap, alibi_slopes, dropout_p, return_lse, deterministic):
+    """:func:`varlen_attention` for an entry point named ``fn`` (errors name it)."""
     if return_lse.__class__ is not bool:
         check_flag(fn, "return_lse", return_lse)
+    if torch.compiler.is_compiling():  # traced: the custom op, whose fake implementation dynamo reads
+        params = varlen_params(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                               dropout_p=dropout_p, deterministic=deterministic)
+        out, lse = ops.varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, params.seqlen_q, params.seqlen_k,
+                                         *params.options.op_args())
+        return (out, lse) if return_lse else out
+    # A repeated call signature skips validation and dispatch, as in attention(); CPU calls re-check
+    # the cu_seqlens values every time.
     try:
-        key = None
-        # Traced calls go straight to the custom op; CPU calls re-check the cu_seqlens values every time.
-        if not torch.compiler.is_compiling() and q.device.type != "cpu":
+        key = found = None
+        if q.device.type != "cpu":
             key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
                    v.dtype, q.device, k.device, v.device, cu_seqlens_q.shape, cu_seqlens_k.shape,
                    cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device, cu_seqlens_k.device,
@@ -185,16 +201,22 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                    window, softcap, dropout_p, dropout_p.__class__, alibi_slopes is None,
                    (q.data_ptr() | k.data_ptr() | v.data_ptr() | cu_seqlens_q.data_ptr()
                     | cu_seqlens_k.data_ptr()) & 15 == 0)
-        params = dispatch.signatures.get(key) if key is not None else None
+            found = dispatch.signatures.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable arguments: the checks say why
-        key = params = None
-    if params is None:
+        key = found = None
+    if found is None:
         params = varlen_params(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                                dropout_p=dropout_p, deterministic=deterministic)
+        found = (params, dispatch.prepared_forward(params, q, k, v, cu_seqlens_q, cu_seqlens_k))
         if key is not None:
-            dispatch.remember(dispatch.signatures, key, params)
-    out, lse = ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params)
+            dispatch.remember(dispatch.signatures, key, found)
+    params, prepared = found
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = ops.varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, params.seqlen_q, params.seqlen_k,
+                                         *params.options.op_args())
+    else:
+        out, lse = prepared(q, k, v, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if return_lse else out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import attention, varlen_attention
+from .api import attention, packed_attention
 
 
 def _window(fn: str, window_size) -> tuple[int | None, int | None] | None:
@@ -85,23 +85,13 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                   return_attn_probs)
 
 
-def _check_thd(fn: str, **tensors) -> None:
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.ndim != 3:
-            raise ValueError(f"{fn}: {name} must be 3-D (total_tokens, heads, head_dim), "
-                             f"got shape {tuple(tensor.shape)}")
-
-
 def _flash_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
-    _check_thd(fn, q=q, k=k, v=v)
     softcap = None if softcap == 0.0 else softcap
-    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+    out, lse = packed_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 scale=softmax_scale, window=_window(fn, window_size), softcap=softcap,
-                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
-                                return_lse=True)
+                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True,
+                                deterministic=deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -140,9 +140,3 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 
 varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
-
-def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
-    if needs_op(q, k, v):
-        return varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, params.seqlen_q, params.seqlen_k,
-                                 *params.options.op_args())
-    return dispatch.prepared_forward(params, q, k, v, cu_seqlens_q, cu_seqlens_k)(q, k, v, cu_seqlens_q, cu_seqlens_k)

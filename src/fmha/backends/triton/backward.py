@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .common import load_rows
 from .masking import key_blocks, query_blocks, visible
-from .varlen import packed_spans, program_tile
+from .varlen import program_block
 
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -108,21 +108,11 @@ def backward_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    if VARLEN:
-        # Packed sequences (see the forward): a key block of the list, per KV head.
-        seq, n_block, kv_head = program_tile(Tiles, num_kv_heads)
-        if seq < 0:
-            return
-        batch = seq  # packed tensors have batch strides 0
-        q_start, seqlen_q, k_start, seqlen_k = packed_spans(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k)
-        lo += seqlen_k - seqlen_q
-        hi += seqlen_k - seqlen_q
-    else:
-        n_block = tl.program_id(0)
-        batch = tl.program_id(1) // num_kv_heads
-        kv_head = tl.program_id(1) % num_kv_heads
-        q_start = 0
-        k_start = 0
+    # One key block of one KV head (packed sequences: an entry of the key-block list).
+    past_end, n_block, batch, kv_head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
+        Tiles, CuSeqlensQ, CuSeqlensK, num_kv_heads, seqlen_q, seqlen_k, lo, hi, VARLEN)
+    if past_end:
+        return
     q_start = tl.cast(q_start, tl.int64)
     k_start = tl.cast(k_start, tl.int64)
 
@@ -211,20 +201,10 @@ def backward_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    if VARLEN:
-        seq, m_block, head = program_tile(Tiles, num_q_heads)
-        if seq < 0:
-            return
-        batch = seq  # packed tensors have batch strides 0
-        q_start, seqlen_q, k_start, seqlen_k = packed_spans(CuSeqlensQ, CuSeqlensK, seq, seqlen_q, seqlen_k)
-        lo += seqlen_k - seqlen_q
-        hi += seqlen_k - seqlen_q
-    else:
-        m_block = tl.program_id(0)
-        batch = tl.program_id(1) // num_q_heads
-        head = tl.program_id(1) % num_q_heads
-        q_start = 0
-        k_start = 0
+    past_end, m_block, batch, head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
+        Tiles, CuSeqlensQ, CuSeqlensK, num_q_heads, seqlen_q, seqlen_k, lo, hi, VARLEN)
+    if past_end:
+        return
     q_start = tl.cast(q_start, tl.int64)
     k_start = tl.cast(k_start, tl.int64)
     kv_head = head // group_size

@@ -48,6 +48,26 @@ def packed_spans(cu_seqlens_q, cu_seqlens_k, seq, total_q, total_k):
 
 
 @triton.jit
+def program_block(Tiles, cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q, seqlen_k, lo, hi, VARLEN: tl.constexpr):
+    """This program's block and head and where its sequence lies, for the kernels with a
+    (blocks, B·H) grid: ``(past_end, block, batch, head, q_start, k_start, seqlen_q, seqlen_k, lo, hi)``.
+
+    Packed sequences walk the tile list: seqlen_q/seqlen_k come in as the totals and go out as the
+    sequence's lengths, lo/hi gain its Sk - Sq, and batch is the sequence (packed tensors have
+    batch strides 0); ``past_end`` marks an entry past the list's last tile.
+    """
+    if VARLEN:
+        seq, block, head = program_tile(Tiles, num_heads)
+        q_start, seqlen_q, k_start, seqlen_k = packed_spans(cu_seqlens_q, cu_seqlens_k, tl.maximum(seq, 0),
+                                                            seqlen_q, seqlen_k)
+        offset = seqlen_k - seqlen_q
+        return seq < 0, block, seq, head, q_start, k_start, seqlen_q, seqlen_k, lo + offset, hi + offset
+    else:
+        return (False, tl.program_id(0), tl.program_id(1) // num_heads, tl.program_id(1) % num_heads, 0, 0,
+                seqlen_q, seqlen_k, lo, hi)
+
+
+@triton.jit
 def _blocks_per_sequence(cu_seqlens, seqs, num_seqs, total, BLOCK: tl.constexpr):
     in_range = seqs < num_seqs
     start = tl.load(cu_seqlens + seqs, mask=in_range, other=0)
