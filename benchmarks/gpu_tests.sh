@@ -2,13 +2,13 @@
 # GPU correctness run (device): the `gpu`-marked tests in parallel shards (kernel compilation is
 # CPU-bound, so shards sharing one GPU finish several times sooner). Summary written to $1;
 # $2 (optional) limits the run to some test files, e.g. tests/test_gpu_backward.py; PART=i/n (optional)
-# to the i-th of n slices of them.
+# to the i-th of n slices of them; FILTER (optional) to the test IDs that match an extended regex.
 set -o pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 out=${1:-/dev/stdout}
 shards=${SHARDS:-6}
 work=$(mktemp -d)
-python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${2:-tests/} | grep '::' > "$work/all"
+python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${2:-tests/} | grep '::' | grep -E "${FILTER:-.}" > "$work/all"
 # PART=i/n runs the i-th of n equal slices of the tests (i from 1): long grids in calls that fit a time limit.
 if [ -n "$PART" ]; then
   split -n l/"${PART#*/}" -d -a 3 "$work/all" "$work/part."

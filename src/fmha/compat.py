@@ -93,12 +93,29 @@ def _gluon():
         load, store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
     # A barrier over the threads of a CTA (of a warp partition): thread_barrier until 3.6, barrier from 3.7.
     barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    return GluonASTSource, load, store, barrier
+    # The bulk tensor reduce-add (cp.reduce.async.bulk.tensor): public from 3.8; before, the
+    # builder's op, which the public function wraps, without a Python name.
+    atomic_add = getattr(tma, "async_atomic_add", None) or _tma_atomic_add_builtin()
+    return GluonASTSource, load, store, barrier, atomic_add
+
+
+def _tma_atomic_add_builtin():
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def async_atomic_add(tensor_desc, coord, src, _semantic=None):
+        """Add a shared-memory tile into global memory with the bulk tensor copy engine."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    return async_atomic_add
 
 
 _GLUON = _gluon()
 GLUON_IMPORT_ERROR = _GLUON if isinstance(_GLUON, ImportError) else None
 if GLUON_IMPORT_ERROR is None:
-    GluonASTSource, tma_load, tma_store, cta_barrier = _GLUON
+    GluonASTSource, tma_load, tma_store, cta_barrier, tma_atomic_add = _GLUON
 else:
-    GluonASTSource = tma_load = tma_store = cta_barrier = None
+    GluonASTSource = tma_load = tma_store = cta_barrier = tma_atomic_add = None

@@ -12,6 +12,7 @@ repeated call costs a dictionary lookup, two allocations and a launch.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 
@@ -20,12 +21,14 @@ import torch
 from .backends.gluon_sm90.backend import HopperBackend
 from .backends.naive.backend import NaiveBackend
 from .backends.triton.backend import TritonBackend
+from .backends.triton.launch import tma_compatible
 from .params import AttentionParams
 from .runtime import KernelBuildError
 
 BACKENDS = {backend.name: backend for backend in (HopperBackend(), TritonBackend(), NaiveBackend())}
 FORWARD_ORDER = ("gluon_sm90", "triton")
 BACKWARD_BACKEND = BACKENDS["triton"]
+HOPPER_BACKEND = BACKENDS["gluon_sm90"]
 
 
 @dataclass
@@ -54,6 +57,7 @@ class Explanation:
 
 
 _warned_build_failures: set[str] = set()
+_SAME_DEVICE = contextlib.nullcontext()
 
 
 def choose_forward(params: AttentionParams, q, k, v, failed: dict[str, str] | None = None) -> Explanation:
@@ -164,8 +168,36 @@ def prepared_forward(params: AttentionParams, q, k, v, *seqlens) -> PreparedForw
     return prepared
 
 
+_prepared_backward: dict = {}
+
+
+def hopper_backward(params: AttentionParams, *tensors):
+    """The Gluon backward prepared for this call signature, or (None, reason) where the portable
+    one runs. ``tensors``: dout, q, k, v, dq, dk, dv."""
+    pointers = 0
+    for tensor in tensors:
+        pointers |= tensor.data_ptr()
+    key = (params, tuple(tensor.stride() for tensor in tensors), pointers & 15 == 0)
+    prepared = _prepared_backward.get(key)
+    if prepared is None:
+        reason = HOPPER_BACKEND.backward_refusal(params, *tensors)
+        launch = None
+        if reason is None:
+            try:
+                launch = HOPPER_BACKEND.prepare_backward(params)
+            except KernelBuildError as error:
+                reason = str(error)
+                if reason not in _warned_build_failures:
+                    _warned_build_failures.add(reason)
+                    warnings.warn(f"fmha: {reason}; the portable Triton backward runs instead", RuntimeWarning,
+                                  stacklevel=2)
+        prepared = remember(_prepared_backward, key, (launch, reason))
+    return prepared
+
+
 def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, seqlens: tuple = ()):
-    """``(dq, dk, dv)`` in the dtypes and shapes of q, k and v (the portable backward).
+    """``(dq, dk, dv)`` in the dtypes and shapes of q, k and v: the Hopper backward where it
+    runs the call, else the portable one (always with an explicit portable ``config``).
 
     Packed sequences (varlen) pass ``seqlens=(cu_seqlens_q, cu_seqlens_k)``.
     """
@@ -174,16 +206,22 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, 
         return dq, dk, dv
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    hopper = None
+    if config is None and params.device.type == "cuda":
+        if not tma_compatible(dout):  # e.g. the expanded gradient of a sum
+            dout = dout.contiguous()
+        hopper, _ = hopper_backward(params, dout, q, k, v, dq, dk, dv)
     index = params.device.index if params.device.type == "cuda" else None
-    if index is not None and index != torch.cuda.current_device():
-        with torch.cuda.device(index):
+    with torch.cuda.device(index) if index is not None and index != torch.cuda.current_device() else _SAME_DEVICE:
+        if hopper is not None:
+            hopper(dout, q, k, v, out, lse, dq, dk, dv)
+        else:
             BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config, seqlens)
-    else:
-        BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config, seqlens)
     return dq, dk, dv
 
 
 def forget() -> None:
     """Drop prepared forwards and call signatures (after tuning data changed)."""
     _prepared.clear()
+    _prepared_backward.clear()
     signatures.clear()

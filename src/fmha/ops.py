@@ -4,7 +4,8 @@
 ``fmha::backward``, which recomputes P from the saved LSE. The options part of both schemas is
 generated from :class:`fmha.params.AttentionOptions`, so the schemas are written once. Both ops
 have fake implementations, so ``torch.compile(fullgraph=True)`` traces through them. The LSE is
-not differentiable. The backward uses no atomics: gradients are bitwise reproducible.
+not differentiable. The Hopper backward adds dQ with atomic adds; ``deterministic=True`` takes the
+portable one, which has none (bitwise-reproducible gradients).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Hopper backend: the warp-specialised Gluon forward on sm_90 (H100, H200)."""
+"""The Hopper backend: the warp-specialised Gluon forward and backward on sm_90 (H100, H200)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _tma_strides_ok(tensor: torch.Tensor) -> bool:
 
 class HopperBackend:
     name = "gluon_sm90"
-    description = "warp-specialised Gluon forward for sm_90 (TMA, wgmma)"
+    description = "warp-specialised Gluon kernels for sm_90 (TMA, wgmma)"
     config_class = HopperSchedule
 
     def refusal(self, params: AttentionParams, q, k, v) -> str | None:
@@ -77,3 +77,27 @@ class HopperBackend:
         from .launch import HopperForward
 
         return HopperForward(params, schedule)
+
+    def backward_refusal(self, params: AttentionParams, *tensors: torch.Tensor) -> str | None:
+        """Why the Gluon backward cannot run this call (None: it can). ``tensors``: dout, q, k, v,
+        dq, dk, dv, each (B, H, S, D)."""
+        options = params.options
+        if options.backend and options.backend != self.name:
+            return f"config= is a {options.backend} config"
+        if options.deterministic:
+            return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
+        if params.varlen or options.layout != "dense":
+            return f"layout {options.layout!r} is not built yet"
+        reason = self.refusal(params, *tensors[1:4])
+        if reason is not None:
+            return reason
+        from .backward_launch import backward_tensors_ok
+
+        if not backward_tensors_ok(*tensors):
+            return "a gradient's strides or base address cannot be described to TMA"
+        return None
+
+    def prepare_backward(self, params: AttentionParams):
+        from .backward_launch import HopperBackward, default_backward_schedule
+
+        return HopperBackward(params, default_backward_schedule(params.head_dim))

@@ -77,16 +77,16 @@ def _worker_registers(consumers, ctas_per_sm):
 
 
 @gluon.constexpr_function
-def _accumulator_layout(columns):
+def accumulator_layout(columns):
     """wgmma accumulator of a consumer: 4 warps x 16 rows, one instruction spans all columns."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                      instr_shape=[16, columns, 16])
 
 
 @gluon.constexpr_function
-def _operand_layout(columns):
+def operand_layout(columns):
     """P as the register A operand of the P·V wgmma whose accumulator has ``columns`` columns."""
-    return gl.DotOperandLayout(operand_index=0, parent=_accumulator_layout(columns), k_width=2)
+    return gl.DotOperandLayout(operand_index=0, parent=accumulator_layout(columns), k_width=2)
 
 
 @gluon.constexpr_function
@@ -322,9 +322,9 @@ def _pipelined_blocks(
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
     sits at ring position ring_base + b."""
     ROWS: gl.constexpr = q.shape[0]
-    p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
-    o_rows: gl.constexpr = gl.SliceLayout(1, _accumulator_layout(HEAD_DIM))
-    no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=_accumulator_layout(BLOCK_N))
+    p_layout: gl.constexpr = operand_layout(HEAD_DIM)
+    o_rows: gl.constexpr = gl.SliceLayout(1, accumulator_layout(HEAD_DIM))
+    no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=accumulator_layout(BLOCK_N))
     for block in range(block_start, block_end):
         position = ring_base + block
         slot = position % STAGES
@@ -393,9 +393,9 @@ def _consumer_partition(
         sequences = None
     dtype: gl.constexpr = o_desc.dtype
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
-    s_layout: gl.constexpr = _accumulator_layout(BLOCK_N)
-    o_layout: gl.constexpr = _accumulator_layout(HEAD_DIM)
-    p_layout: gl.constexpr = _operand_layout(HEAD_DIM)
+    s_layout: gl.constexpr = accumulator_layout(BLOCK_N)
+    o_layout: gl.constexpr = accumulator_layout(HEAD_DIM)
+    p_layout: gl.constexpr = operand_layout(HEAD_DIM)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]

@@ -88,15 +88,21 @@ def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: 
     A failed build is remembered too, and raises :class:`fmha.runtime.KernelBuildError` (the
     dispatcher then falls back to the portable kernel) on every later request.
     """
+    return build_gluon(device, lambda: hopper_forward_source(dtype, head_dim, causal, schedule, has_left, varlen),
+                       hopper_compile_options(schedule), "forward")
+
+
+def build_gluon(device: torch.device, make_source, options: dict, what: str):
+    """``(compiled, constexpr values)`` of ``make_source()``'s kernel on ``device``, or the
+    :class:`fmha.runtime.KernelBuildError` that says why it failed to build."""
     try:
-        source, constants = hopper_forward_source(dtype, head_dim, causal, schedule, has_left, varlen)
+        source, constants = make_source()
         with torch.cuda.device(device):
-            compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(),
-                                      options=hopper_compile_options(schedule))
+            compiled = triton.compile(source, target=triton.runtime.driver.active.get_current_target(), options=options)
             load_compiled(compiled)
     except Exception as error:  # noqa: BLE001 - any compiler failure means: not this kernel
         outside = triton_version_problem()
-        return KernelBuildError(f"the Gluon Hopper forward failed to build with triton {triton.__version__}"
+        return KernelBuildError(f"the Gluon Hopper {what} failed to build with triton {triton.__version__}"
                                 f"{f' ({outside})' if outside else ''}: {build_error_summary(error)}")
     return compiled, constants
 

@@ -61,3 +61,30 @@ def sequence_span(cu_seqlens, seq, total):
     start = gl.minimum(gl.maximum(start, 0), total)
     end = gl.minimum(gl.maximum(end, start), total)
     return start, end - start
+
+
+@gluon.jit
+def query_blocks(first_key, num_keys, seqlen_q, lo, hi,
+                 BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Rows that see keys [first_key, first_key + num_keys), in rows rounded to BLOCK_M:
+    ``(m_start, full_start, full_end, m_end)`` (:func:`fmha.backends.triton.masking.query_blocks`).
+
+    [m_start, full_start) and [full_end, m_end) need the per-score mask; the rows of
+    [full_start, full_end) see every key of the tile (the end of K is the caller's to check).
+    """
+    if HAS_RIGHT:
+        m_start = gl.maximum(first_key - hi, 0) // BLOCK_M * BLOCK_M
+        full_start = gl.cdiv(gl.maximum(first_key + num_keys - 1 - hi, 0), BLOCK_M) * BLOCK_M
+    else:
+        m_start = 0
+        full_start = 0
+    if HAS_LEFT:
+        m_end = gl.minimum(seqlen_q, first_key + num_keys - lo)
+        full_end = gl.minimum(seqlen_q, first_key - lo + 1)
+    else:
+        m_end = seqlen_q
+        full_end = seqlen_q
+    m_end = gl.maximum(gl.cdiv(gl.maximum(m_end, 0), BLOCK_M) * BLOCK_M, m_start)
+    full_start = gl.minimum(gl.maximum(full_start, m_start), m_end)
+    full_end = gl.maximum(gl.minimum(gl.maximum(full_end, 0) // BLOCK_M * BLOCK_M, m_end), full_start)
+    return m_start, full_start, full_end, m_end

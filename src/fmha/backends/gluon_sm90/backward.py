@@ -1,0 +1,301 @@
+"""The fused backward for Hopper (sm_90), written in Gluon: dK and dV with K and V resident, dQ
+summed into an fp32 buffer with atomic adds, in one pass over the query blocks.
+
+Same math as :mod:`fmha.backends.triton.backward` (P recomputed from Q, K and the forward's LSE;
+``dS = P ⊙ (dP − delta)``), scheduled for this chip:
+
+* a CTA owns BLOCK_N = 64 x CONSUMERS keys of one (batch, KV head) and walks the query blocks of
+  every query head in its GQA group, so dK and dV are summed over the group in registers;
+* one load warp streams Q and dO blocks through a ring of STAGES shared-memory slots with bulk
+  tensor copies (TMA), after loading the CTA's K and V once;
+* each consumer warpgroup owns 64 of the keys and computes, transposed so that the keys are the
+  rows of every product: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (both issued at once), Pᵀ, dV += Pᵀ dO and
+  dSᵀ; dK += dSᵀ Q runs on the tensor cores while dSᵀ goes to shared memory;
+* dQ = dS K needs every key of the tile, so it waits until each consumer's half of dSᵀ is in
+  shared memory. At head dim 128 each consumer then computes half of dQ's columns; at 64 one
+  consumer computes the whole tile, taking turns step by step (the other goes on to its next
+  step). The bulk copy engine adds the tile from shared memory into an fp32 buffer (a TMA
+  reduce-add). The order of the adds varies run to run: ``deterministic=True`` runs the portable dQ kernel instead
+  (:mod:`fmha.backends.gluon_sm90.backward_launch`).
+
+The row statistics come from a preparation kernel (:mod:`fmha.backends.triton.backward_rows`):
+delta and the LSE in log2 units, padded to whole query blocks (padded rows have LSE +inf, so P = 0
+there), which the load warp copies in with Q and dO; it also zeroes the dQ buffer. Key blocks that cross the window's edges or the end of K take the
+per-score mask of :mod:`fmha.backends.gluon_sm90.masking`; whole blocks inside it take none.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ...compat import cta_barrier, tma_atomic_add, tma_load, tma_store
+from .forward import CONSUMER_WARPS, accumulator_layout, operand_layout
+from .masking import query_blocks, visible
+
+CONSUMER_KEYS = gl.constexpr(64)  # keys per consumer warpgroup: one wgmma row block
+
+
+@gluon.constexpr_function
+def backward_registers(consumers: int) -> tuple[int, int, int]:
+    """(registers per thread at launch, per consumer thread, per load-warp thread): one CTA per
+    multiprocessor, the load warp's registers given to the consumers (setmaxnreg)."""
+    threads = 128 * (consumers + 1)
+    launch = 65536 // threads // 8 * 8
+    loader = 24
+    consumer = min(240, (launch * threads - 128 * loader) // (128 * consumers) // 8 * 8)
+    return launch, consumer, loader
+
+
+@gluon.constexpr_function
+def _worker_registers(consumers):
+    _, consumer, loader = backward_registers(consumers)
+    return [consumer] * (consumers - 1) + [loader]
+
+
+@gluon.jit
+def _program_block(num_kv_heads, seqlen_k, BLOCK_N: gl.constexpr):
+    """(batch, kv_head, n_block) of this program: the key blocks of one head run side by side
+    (they share its Q and dO in L2), the first keys first (causal: they see the most rows)."""
+    num_n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+    program = gl.program_id(0)
+    n_block = program % num_n_blocks
+    batch_head = program // num_n_blocks
+    return batch_head // num_kv_heads, batch_head % num_kv_heads, n_block
+
+
+@gluon.jit
+def _load_partition(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                    HAS_RIGHT: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+     kv_ready, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k, lo, hi) = args
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    batch, kv_head, n_block = _program_block(num_kv_heads, seqlen_k, BLOCK_N)
+    first_key = n_block * BLOCK_N
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [batch, kv_head, first_key, 0], kv_ready, k_smem)
+    tma_load(v_desc, [batch, kv_head, first_key, 0], kv_ready, v_smem)
+    m_start, _, _, m_end = query_blocks(first_key, BLOCK_N, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    steps = (m_end - m_start) // BLOCK_M
+    for member in range(group_size):
+        head = kv_head * group_size + member
+        rows_base = (batch * num_q_heads + head) * padded_q  # of the (B, Hq, padded_q) row statistics
+        for step in range(steps):
+            position = member * steps + step
+            slot = position % STAGES
+            # A free barrier completes once per use; the first wait finds it free.
+            mbarrier.wait(q_free.index(slot), ((position // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            first_row = m_start + step * BLOCK_M
+            tma_load(q_desc, [batch, head, first_row, 0], q_ready.index(slot), q_smem.index(slot))
+            tma_load(do_desc, [batch, head, first_row, 0], q_ready.index(slot), do_smem.index(slot))
+            tma_load(lse_desc, [rows_base + first_row], q_ready.index(slot), lse_smem.index(slot))
+            tma_load(delta_desc, [rows_base + first_row], q_ready.index(slot), delta_smem.index(slot))
+
+
+@gluon.jit
+def _query_steps(
+    dk, dv,  # [CONSUMER_KEYS, HEAD_DIM] f32 accumulators
+    k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+    q_ready, q_free, ds_ready, ds_free, dq_desc,
+    batch, head, keys, position_base, m_first, m_begin, m_stop, seqlen_k, lo, hi, qk_scale,
+    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+    MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
+    DQ_ALTERNATE: gl.constexpr,
+):
+    """Query blocks [m_begin, m_stop) of one head; the block at row m sits at ring position
+    position_base + (m - m_first) / BLOCK_M."""
+    HEAD_DIM: gl.constexpr = k_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[2]
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = accumulator_layout(BLOCK_M)  # [CONSUMER_KEYS, BLOCK_M]
+    a_layout: gl.constexpr = operand_layout(HEAD_DIM)  # Pᵀ, dSᵀ as the A operand of dV, dK
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_M] along the query rows
+    if DQ_ALTERNATE:  # one consumer per step computes all of dQ's tile
+        DQ_COLUMNS: gl.constexpr = HEAD_DIM
+        DQ_COLUMN0: gl.constexpr = 0
+    else:  # each consumer computes HEAD_DIM / CONSUMERS columns of it every step
+        DQ_COLUMNS: gl.constexpr = HEAD_DIM // CONSUMERS
+        DQ_COLUMN0: gl.constexpr = CONSUMER * DQ_COLUMNS
+    dq_layout: gl.constexpr = accumulator_layout(DQ_COLUMNS)
+    own_dq = dq_smem.index(CONSUMER)
+    no_scores = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, layout=s_layout)
+    for m in range(m_begin, m_stop, BLOCK_M):
+        position = position_base + (m - m_first) // BLOCK_M
+        slot = position % STAGES
+        mbarrier.wait(q_ready.index(slot), (position // STAGES) & 1)
+        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        scores_t = warpgroup_mma(k_rows, q.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        dprobs_t = warpgroup_mma(v_rows, do.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        scores_t = warpgroup_mma_wait(1, deps=(scores_t,))
+        lse = lse_smem.index(slot).load(row_layout)  # log2 units; padded rows +inf
+        probs_t = gl.exp2(scores_t * qk_scale - lse[None, :])
+        if MASKED:
+            rows = m + gl.arange(0, BLOCK_M, layout=row_layout)
+            seen = visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
+            probs_t = gl.where(seen, probs_t, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(probs_t.to(dtype), a_layout), do, dv, is_async=True)
+        dprobs_t = warpgroup_mma_wait(1, deps=(dprobs_t,))
+        delta = delta_smem.index(slot).load(row_layout)
+        dscores_t = (probs_t * (dprobs_t - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dscores_t, a_layout), q, dk, is_async=True)
+        if COMPUTE_DQ:
+            buffer = position % 2
+            buffer_phase = (position // 2) & 1
+            mbarrier.wait(ds_free.index(buffer), buffer_phase ^ 1)  # its readers are done with it
+            ds_buffer = ds_smem.index(buffer)  # [BLOCK_N, BLOCK_M]: dSᵀ
+            ds_buffer.slice(CONSUMER * CONSUMER_KEYS, CONSUMER_KEYS).store(dscores_t)
+            fence_async_shared()
+            cta_barrier()  # every thread's part of dSᵀ is written before the arrival
+            mbarrier.arrive(ds_ready.index(buffer), count=1)
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+            mbarrier.arrive(q_free.index(slot), count=1)  # dQ reads dS and K only
+            if DQ_ALTERNATE:
+                computes_dq = position % CONSUMERS == CONSUMER
+            else:
+                computes_dq = True
+            if computes_dq:
+                mbarrier.wait(ds_ready.index(buffer), buffer_phase)
+                ds = ds_buffer.permute((1, 0))  # [BLOCK_M, BLOCK_N]
+                k_columns = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(DQ_COLUMN0, DQ_COLUMNS, dim=1)
+                dq = warpgroup_mma(ds, k_columns, gl.zeros([BLOCK_M, DQ_COLUMNS], gl.float32, layout=dq_layout),
+                                   use_acc=False, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq,))
+                mbarrier.arrive(ds_free.index(buffer), count=1)
+                # The bulk copy engine adds the tile into the fp32 buffer; the previous one has been read.
+                tma.store_wait(0)
+                own_dq.reshape([BLOCK_M, DQ_COLUMNS]).store(dq)
+                fence_async_shared()
+                tma_atomic_add(dq_desc, [batch, head, m, DQ_COLUMN0], own_dq)
+        else:
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+            mbarrier.arrive(q_free.index(slot), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _store_rows_of(values, staging, desc, coordinates):
+    """A consumer's [CONSUMER_KEYS, HEAD_DIM] block through shared memory and a bulk tensor store."""
+    tma.store_wait(0)  # the staging buffer's previous contents have left
+    staging.reshape(values.shape).store(values)
+    fence_async_shared()
+    tma_store(desc, coordinates, staging)
+
+
+@gluon.jit
+def _consumer_partition(
+    args,  # unpacked below
+    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
+):
+    (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, q_ready, q_free,
+     ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
+     qk_scale) = args
+    HEAD_DIM: gl.constexpr = k_smem.shape[3]
+    BLOCK_N: gl.constexpr = k_smem.shape[2]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = accumulator_layout(BLOCK_M)
+    kv_layout: gl.constexpr = accumulator_layout(HEAD_DIM)
+    batch, kv_head, n_block = _program_block(num_kv_heads, seqlen_k, BLOCK_N)
+    first_key = n_block * BLOCK_N
+    own_first_key = first_key + CONSUMER * CONSUMER_KEYS
+    keys = own_first_key + gl.arange(0, CONSUMER_KEYS, layout=gl.SliceLayout(1, s_layout))
+    m_start, full_start, full_end, m_end = query_blocks(
+        first_key, BLOCK_N, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    if first_key + BLOCK_N > seqlen_k:  # keys past the end: every block takes the mask
+        full_end = full_start
+    steps = (m_end - m_start) // BLOCK_M
+    k_rows = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(CONSUMER * CONSUMER_KEYS, CONSUMER_KEYS)
+    v_rows = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(CONSUMER * CONSUMER_KEYS, CONSUMER_KEYS)
+    dk = gl.zeros([CONSUMER_KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([CONSUMER_KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
+    mbarrier.wait(kv_ready, 0)
+    for member in range(group_size):
+        head = kv_head * group_size + member
+        position_base = member * steps
+        dk, dv = _query_steps(
+            dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, seqlen_k, lo, hi,
+            qk_scale, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE)
+        dk, dv = _query_steps(
+            dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, seqlen_k, lo, hi,
+            qk_scale, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE)
+        dk, dv = _query_steps(
+            dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, seqlen_k, lo, hi,
+            qk_scale, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE)
+    # The descriptors clip keys past the end.
+    own_staging = staging.index(CONSUMER)
+    _store_rows_of((dk * scale).to(dtype), own_staging, dk_desc, [batch, kv_head, own_first_key, 0])
+    _store_rows_of(dv.to(dtype), own_staging, dv_desc, [batch, kv_head, own_first_key, 0])
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_backward_hopper_kernel(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
+    padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
+):
+    """One program per (batch, KV head, key block of 64 x CONSUMERS keys). Descriptors are
+    (B, H, S, D): Q and dO in blocks of BLOCK_M rows, K and V of the whole key block, dK and dV of
+    one consumer's 64 keys, and dQ's fp32 buffer (B, Hq, padded_q, D), zeroed, of one consumer's share
+    of a step; the LSE (log2 units) and delta are flat (B·Hq·padded_q) fp32 vectors, in blocks of
+    BLOCK_M (:mod:`fmha.backends.triton.backward_rows`)."""
+    dtype: gl.constexpr = q_desc.dtype
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    staging = gl.allocate_shared_memory(dtype, [CONSUMERS] + dk_desc.block_type.shape, dk_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(slot), count=1)
+        mbarrier.init(q_free.index(slot), count=CONSUMERS)  # one arrival per consumer
+    for buffer in gl.static_range(2):
+        mbarrier.init(ds_ready.index(buffer), count=CONSUMERS)
+        # Read by every consumer (each takes columns of dQ), or by the one whose turn it is.
+        mbarrier.init(ds_free.index(buffer), count=1 if DQ_ALTERNATE else CONSUMERS)
+
+    shared = (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, q_ready,
+              q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo,
+              hi, scale, qk_scale)
+    load_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                 k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q,
+                 seqlen_k, lo, hi)
+    if CONSUMERS == 1:
+        gl.warp_specialize(
+            [(_consumer_partition, (shared, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
+                                    DQ_ALTERNATE)),
+             (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT))],
+            worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
+    else:
+        gl.warp_specialize(
+            [(_consumer_partition, (shared, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
+                                    DQ_ALTERNATE)),
+             (_consumer_partition, (shared, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
+                                    DQ_ALTERNATE)),
+             (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT))],
+            worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

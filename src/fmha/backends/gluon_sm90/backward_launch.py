@@ -1,0 +1,161 @@
+"""Launcher of the Gluon Hopper backward: a row preparation kernel, the fused dK/dV/dQ kernel, and
+dQ's conversion from the fp32 buffer."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import triton
+from triton.experimental.gluon import language as gl
+
+from ...compat import COMPILE_OPTIONS, GluonASTSource
+from ...params import AttentionParams
+from ...runtime import KernelBuildError, run_compiled
+from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
+from ..triton.forward import LOG2_E
+from ..triton.launch import tma_compatible, window_bounds
+from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
+
+KEYS_PER_CONSUMER = CONSUMER_KEYS.value
+from .launch import _HostDescriptor, _shared_layout, build_gluon
+
+ROWS_BLOCK = 64  # rows per program of the preparation and dQ conversion kernels
+
+
+@dataclass(frozen=True)
+class HopperBackwardSchedule:
+    """How the Gluon backward runs (see :mod:`fmha.backends.gluon_sm90.backward`).
+
+    ``consumers`` warpgroups of 64 keys each; ``block_m`` query rows per step through a ring of
+    ``stages`` slots. The consumers split dQ's columns, 64 each, or where the head dim is too
+    narrow for that (64), take turns computing the whole tile.
+    """
+
+    backend: ClassVar[str] = "gluon_sm90"
+
+    block_m: int = 64
+    stages: int = 2
+    consumers: int = 2
+
+    def __post_init__(self):
+        checks = {"block_m": self.block_m in (64, 128), "stages": 1 <= self.stages <= 4,
+                  "consumers": self.consumers in (1, 2)}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"HopperBackwardSchedule.{name}: {getattr(self, name)!r} is not a valid choice")
+
+    @property
+    def block_n(self) -> int:
+        return self.consumers * KEYS_PER_CONSUMER
+
+    def dq_alternate(self, head_dim: int) -> bool:
+        """Whether the consumers take turns computing dQ's tile (else each computes its columns)."""
+        return head_dim // self.consumers < 64
+
+    def dq_block(self, head_dim: int) -> tuple[int, int]:
+        """(rows, columns) of dQ that one consumer adds per step."""
+        return self.block_m, head_dim if self.dq_alternate(head_dim) else head_dim // self.consumers
+
+    def text(self) -> str:
+        return "HopperBackwardSchedule(" + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items()) + ")"
+
+
+def default_backward_schedule(head_dim: int) -> HopperBackwardSchedule:
+    return HopperBackwardSchedule()
+
+
+@functools.lru_cache(maxsize=None)
+def _accumulator_layout(rows: int, columns: int):
+    """Shared layout of an fp32 dQ tile on its way to the bulk reduce-add."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, columns], gl.float32)
+
+
+# Row statistics: a flat fp32 vector, copied in blocks of BLOCK_M without a swizzle.
+_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+_INTEGER_ARGS = ("padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
+
+
+def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, has_right: bool,
+                           schedule: HopperBackwardSchedule, compute_dq: bool = True):
+    """The Gluon backward's compile source for one static configuration, and its constexpr values."""
+    element = "bf16" if dtype == torch.bfloat16 else "fp16"
+
+    def descriptor_type(rows: int) -> str:
+        return f"tensordesc<{element}[1,1,{rows},{head_dim}],{_shared_layout(rows, head_dim, dtype)!r}>"
+
+    dq_block = schedule.dq_block(head_dim)
+    constants = {"BLOCK_M": schedule.block_m, "STAGES": schedule.stages, "HAS_LEFT": has_left,
+                 "HAS_RIGHT": has_right, "CONSUMERS": schedule.consumers, "COMPUTE_DQ": compute_dq,
+                 "DQ_ALTERNATE": schedule.dq_alternate(head_dim)}
+    signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
+                 "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
+                 "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
+                 "dq_desc": f"tensordesc<fp32[1,1,{dq_block[0]},{dq_block[1]}],{_accumulator_layout(*dq_block)!r}>",
+                 "lse_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>",
+                 "delta_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>", **dict.fromkeys(_INTEGER_ARGS, "i32"),
+                 "scale": "fp32", "qk_scale": "fp32", **dict.fromkeys(constants, "constexpr")}
+    assert list(signature) == attention_backward_hopper_kernel.arg_names
+    return GluonASTSource(attention_backward_hopper_kernel, signature, constants), tuple(constants.values())
+
+
+def hopper_backward_options(schedule: HopperBackwardSchedule) -> dict:
+    return {"num_warps": 4, "maxnreg": backward_registers(schedule.consumers)[0], **COMPILE_OPTIONS}
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_hopper_backward(device: torch.device, dtype: torch.dtype, head_dim: int, has_left: bool,
+                             has_right: bool, schedule: HopperBackwardSchedule, compute_dq: bool = True):
+    """Compiled once per device and static configuration; a failed build returns a
+    :class:`fmha.runtime.KernelBuildError` (remembered), and the portable backward runs."""
+    return build_gluon(device, lambda: hopper_backward_source(dtype, head_dim, has_left, has_right, schedule, compute_dq),
+                       hopper_backward_options(schedule), "backward")
+
+
+def backward_tensors_ok(*tensors: torch.Tensor) -> bool:
+    """Whether every (B, H, S, D) tensor can be described to TMA."""
+    return all(tma_compatible(tensor) for tensor in tensors)
+
+
+class HopperBackward:
+    """The Gluon backward for one call signature; calling it writes dq, dk and dv."""
+
+    __slots__ = ("schedule", "compiled", "grid", "integers", "device", "padded_q", "rows_grid", "params")
+
+    def __init__(self, params: AttentionParams, schedule: HopperBackwardSchedule):
+        has_left, has_right, lo, hi = window_bounds(params)
+        built = compiled_hopper_backward(params.device, params.dtype, params.head_dim, has_left, has_right,
+                                         schedule)
+        if isinstance(built, KernelBuildError):
+            raise built
+        self.params, self.schedule, self.device = params, schedule, params.device
+        self.compiled, constants = built
+        self.padded_q = -(-params.seqlen_q // 128) * 128
+        self.grid = -(-params.seqlen_k // schedule.block_n) * params.batch * params.kv_heads
+        self.rows_grid = (self.padded_q // ROWS_BLOCK, params.batch * params.q_heads)
+        scale = params.options.scale
+        self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, params.seqlen_q,
+                         params.seqlen_k, lo, hi, scale, scale * LOG2_E, *constants)
+
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv) -> None:
+        p = self.params
+        rows = p.batch * p.q_heads * self.padded_q
+        lse2 = torch.empty(rows, device=q.device, dtype=torch.float32)
+        delta = torch.empty(rows, device=q.device, dtype=torch.float32)
+        dq_accum = torch.empty(rows * p.head_dim, device=q.device, dtype=torch.float32)
+        head_dim = p.head_dim
+        backward_rows_kernel[self.rows_grid](
+            out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride()[:2],
+            p.q_heads, p.seqlen_q, self.padded_q,
+            HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, num_warps=4, **COMPILE_OPTIONS)
+        accum = dq_accum.view(p.batch, p.q_heads, self.padded_q, head_dim)
+        descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, dk, dv, accum))
+        row_stats = (_HostDescriptor(lse2, [rows], [1]), _HostDescriptor(delta, [rows], [1]))
+        run_compiled(self.compiled, self.grid, self.device, (*descriptors, *row_stats, *self.integers))
+        finish_dq_kernel[(-(-p.seqlen_q // ROWS_BLOCK), p.batch * p.q_heads)](
+            dq_accum, dq, *dq.stride(), p.q_heads, p.seqlen_q, self.padded_q, p.options.scale,
+            HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, num_warps=4, **COMPILE_OPTIONS)

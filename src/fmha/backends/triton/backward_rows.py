@@ -1,0 +1,65 @@
+"""Per-row work around a backward that sums dQ with atomic adds (the Hopper backward).
+
+* :func:`backward_rows_kernel`: delta = rowsum(O ⊙ dO) and the LSE in log2 units, padded to
+  whole query blocks (padded rows and rows that saw no key get LSE +inf, so their P is 0), and
+  the fp32 dQ buffer zeroed, in one pass;
+* :func:`finish_dq_kernel`: dQ = scale · buffer, in q's dtype and strides.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def backward_rows_kernel(
+    Out, DOut, Lse, Delta, Lse2, DQAccum,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh,
+    num_q_heads, seqlen_q, padded_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_q_heads
+    head = batch_head % num_q_heads
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    columns = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    inside = rows < seqlen_q
+    mask = inside[:, None] & (columns[None, :] < HEAD_DIM)
+    o = tl.load(Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+                + rows[:, None] * stride_om + columns[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                 + rows[:, None] * stride_dom + columns[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # [BLOCK_M]
+    lse = tl.load(Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + rows,
+                  mask=inside, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2_E)
+    padded_rows = batch_head.to(tl.int64) * padded_q + rows
+    tl.store(Delta + padded_rows, delta)
+    tl.store(Lse2 + padded_rows, lse2)
+    tl.store(DQAccum + padded_rows[:, None] * HEAD_DIM + columns[None, :],
+             tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=columns[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def finish_dq_kernel(
+    DQAccum, DQ,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    num_q_heads, seqlen_q, padded_q, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_q_heads
+    head = batch_head % num_q_heads
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    columns = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < seqlen_q) & (columns[None, :] < HEAD_DIM)
+    dq = tl.load(DQAccum + (batch_head.to(tl.int64) * padded_q + rows)[:, None] * HEAD_DIM + columns[None, :],
+                 mask=mask, other=0.0)
+    tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+             + rows[:, None] * stride_dqm + columns[None, :] * stride_dqd, (dq * scale).to(DQ.dtype.element_ty),
+             mask=mask)

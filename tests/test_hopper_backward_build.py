@@ -1,0 +1,86 @@
+"""The Gluon Hopper backward without a GPU: when it is chosen, and what it compiles to for sm_90.
+
+Its numerics are checked on the H100 (tests/test_gpu_backward.py runs the default path, which
+takes this kernel there); here it is built for sm_90a in a clean child process (Gluon cannot be
+built where TRITON_INTERPRET=1 was set) and the SASS is read back.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fmha.backends.gluon_sm90 import backend as hopper_backend
+from fmha.params import attention_params
+
+pytest.importorskip("triton.experimental.gluon")
+
+_BUILD_SCRIPT = r"""
+import json, subprocess, sys, tempfile
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.tools.disasm import path_to_cuobjdump
+from fmha.backends.gluon_sm90 import backward_launch
+
+report = {"triton": triton.__version__}
+for head_dim, has_left, has_right in json.loads(sys.argv[1]):
+    schedule = backward_launch.default_backward_schedule(head_dim)
+    source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, has_left, has_right, schedule)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=backward_launch.hopper_backward_options(schedule))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(compiled.asm["cubin"])
+        handle.flush()
+        sass = subprocess.check_output([path_to_cuobjdump(), "-sass", handle.name], text=True)
+    report[f"{head_dim},{has_left},{has_right}"] = {
+        "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "STL")},
+        "hmma": sass.count("HMMA"), "shared": compiled.metadata.shared}
+print(json.dumps(report))
+"""
+
+# (head_dim, has_left, has_right): dense, causal, a two-sided window.
+VARIANTS = [(128, False, False), (128, False, True), (64, False, False), (64, True, True)]
+
+
+@pytest.fixture(scope="module")
+def backward_builds():
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(VARIANTS)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    errors = "\n".join(line for line in result.stderr.splitlines() if "nanobind" not in line and "leaked" not in line)
+    assert result.returncode == 0, errors[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_backward_compiles_to_warpgroup_mma_and_bulk_reduce(backward_builds, variant):
+    build = backward_builds[",".join(map(str, variant))]
+    counts = build["counts"]
+    assert counts["HGMMA"] > 0 and build["hmma"] == 0, "warpgroup MMAs, no pre-Hopper fallback"
+    assert counts["UTMALDG"] > 0, "Q, dO, K, V and the row statistics move by bulk tensor copies"
+    assert counts["UTMAREDG"] > 0, "dQ is added by the bulk copy engine (TMA reduce-add)"
+    assert counts["UTMASTG"] > 0, "dK and dV leave by bulk tensor stores"
+    assert counts["USETMAXREG"] > 0, "registers move from the load warp to the consumers"
+    assert build["shared"] + 1024 <= 228 * 1024, "fits the H100's shared memory"
+
+
+def test_dense_head_dim_128_does_not_spill(backward_builds):
+    assert backward_builds["128,False,False"]["counts"]["STL"] == 0
+
+
+def _params(**options):
+    q = torch.empty(1, dtype=torch.bfloat16).expand(2, 8, 256, 128)
+    return attention_params("test", q, q, q, **options), q
+
+
+def test_backward_refusals_name_a_reason():
+    params, q = _params()
+    reason = hopper_backend.HopperBackend().backward_refusal(params, q, q, q, q, q, q, q)
+    assert reason  # on the CPU: no CUDA device, or the interpreter
+    params, q = _params(deterministic=True)
+    reason = hopper_backend.HopperBackend().backward_refusal(params, q, q, q, q, q, q, q)
+    assert "deterministic" in reason
