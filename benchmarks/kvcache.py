@@ -2,7 +2,7 @@
 inference issue's decode cases, SDPA flash and cuDNN as peers where they can run the same problem,
 a sweep of chunk counts and tiles, and host time per call.
 
-    PYTHONPATH=src python benchmarks/kvcache.py [out.json]
+    PYTHONPATH=src python benchmarks/kvcache.py [out.json] [--no-host]   (--no-host: skip host time per call)
 
 Cases (bf16, Hq/Hkv = 32/8, D = 128, one query per sequence):
 * dense: B32, Sk 8192 (copy floor ~358 us at 3.0 TB/s);
@@ -10,7 +10,9 @@ Cases (bf16, Hq/Hkv = 32/8, D = 128, one query per sequence):
 * small: B1 Sk4096 and B8 Sk2048, rotating over copies of the inputs so that the 50 MB L2 does
   not serve them (peers alike);
 * decode step: dense B32 with a new key appended (and rotary) in the same call.
-GB/s counts the K/V bytes each call must read once.
+GB/s counts the K/V bytes each call must read once. The small cases also give the issue's bound,
+"copy floor + one launch": K/V bytes at the device's copy rate plus the GPU time of one tiny
+kernel replayed the same way (``launch_us``), and sweep tiles and chunk counts.
 """
 
 import json
@@ -47,6 +49,12 @@ def copy_tbps() -> float:
     target = torch.empty_like(source)
     ms = triton.testing.do_bench(lambda: target.copy_(source), rep=200, return_mode="median")
     return 2 * source.numel() / ms / 1e9
+
+
+def launch_us() -> float:
+    """GPU time of one launch of a one-element kernel, replayed as the cases are (CUDA graph, median)."""
+    x = torch.zeros(1, device="cuda")
+    return gpu_us(lambda: x.add_(1.0))
 
 
 def paged(k_cache, v_cache, lengths, page_size, generator):
@@ -116,7 +124,7 @@ def config_text(args) -> str:
     return forward.config.text()
 
 
-def measure_case(label, batch, capacity, lengths, layout, copies, copy_rate, sweep, peers):
+def measure_case(label, batch, capacity, lengths, layout, copies, copy_rate, sweep, peers, launch=None):
     generator = torch.Generator().manual_seed(0)
     kv_bytes = 2 * int(sum(lengths)) * KV_HEADS * HEAD_DIM * 2
     sets = []
@@ -141,6 +149,15 @@ def measure_case(label, batch, capacity, lengths, layout, copies, copy_rate, swe
     row["fmha_us"] = gpu_us(rotating(calls))
     row["fmha_GBps"] = kv_bytes / row["fmha_us"] / 1e3
     row["fraction_of_copy"] = row["fmha_GBps"] / (copy_rate * 1e3)
+    if launch is not None:  # the issue's bound for small batches
+        # The same grid with every length 0: what a call costs besides streaming K/V (launch,
+        # prologue, partial writes, the arrival count and the merge).
+        empty = [{**args, "cache_seqlens": torch.zeros_like(args["cache_seqlens"])} for args, _, _ in sets]
+        row["empty_lengths_us"] = gpu_us(rotating([lambda args=args: fmha.flash_attn_with_kvcache(**args)
+                                                   for args in empty]))
+        row["launch_us"] = launch
+        row["floor_plus_launch_us"] = kv_bytes / (copy_rate * 1e6) + launch
+        row["over_floor_plus_launch"] = row["fmha_us"] / row["floor_plus_launch_us"]
     if peers:
         q_sets = [args["q"].transpose(1, 2).contiguous() for args, _, _ in sets]
         k_sets = [k[:, :max(lengths)].transpose(1, 2).contiguous() for _, k, _ in sets]
@@ -237,22 +254,28 @@ def host_times() -> dict:
 def main():
     torch.manual_seed(0)
     copy_rate = copy_tbps()
-    print(f"device copy: {copy_rate:.2f} TB/s (read + write)", flush=True)
+    launch = launch_us()
+    print(f"device copy: {copy_rate:.2f} TB/s (read + write); one launch {launch:.2f} us", flush=True)
     ragged = torch.randint(1024, 8193, (32,), generator=torch.Generator().manual_seed(RAGGED_SEED)).tolist()
     # The chunk count the heuristic gives up for ragged lengths (1: best on the dense case) beside its own.
     chunk_sweep = {"tiles": [(64, 4, 2)], "splits": [1, 6]}
+    # Small batches: tiles and chunk counts around the heuristic's (block_n, warps, stages).
+    small_tiles = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (64, 8, 3)]
     cases = [
         ("dense B32 Sk8192", 32, 8192, [8192] * 32, "contiguous", 1, chunk_sweep, True),
         ("ragged B32 contiguous", 32, 8192, ragged, "contiguous", 1, chunk_sweep, False),
         ("ragged B32 page256", 32, 8192, ragged, "page256", 1, chunk_sweep, False),
         ("ragged B32 page16", 32, 8192, ragged, "page16", 1, chunk_sweep, False),
-        ("small B1 Sk4096", 1, 4096, [4096], "contiguous", 16, None, True),
-        ("small B8 Sk2048", 8, 2048, [2048] * 8, "contiguous", 4, None, True),
+        ("small B1 Sk4096", 1, 4096, [4096], "contiguous", 16, {"tiles": small_tiles, "splits": [8, 12, 16]},
+         True),
+        ("small B8 Sk2048", 8, 2048, [2048] * 8, "contiguous", 4, {"tiles": small_tiles, "splits": [2, 4]},
+         True),
     ]
     rows = []
     for label, batch, capacity, lengths, layout, copies, sweep, peers in cases:
         try:
-            row = measure_case(label, batch, capacity, lengths, layout, copies, copy_rate, sweep, peers)
+            row = measure_case(label, batch, capacity, lengths, layout, copies, copy_rate, sweep, peers,
+                               launch if label.startswith("small") else None)
         except Exception as error:  # keep the other cases' numbers
             print(f"{label}: {type(error).__name__}: {error}", flush=True)
             rows.append({"case": label, "error": f"{type(error).__name__}: {error}"})
@@ -265,17 +288,26 @@ def main():
         print(f"{label:<24} fmha {row['fmha_us']:7.1f} us {row['fmha_GBps']:6.0f} GB/s "
               f"({row['fraction_of_copy']:.0%} of copy) [{row['config']}] err {row['max_error']:.1e}  {peer_text}"
               + (f"  best sweep {best['us']:.1f} us (n{best['block_n']} w{best['num_warps']} s{best['num_stages']} "
-                 f"x{best['splits']})" if best else ""), flush=True)
+                 f"x{best['splits']})" if best else "")
+              + (f"  floor+launch {row['floor_plus_launch_us']:.1f} us ({row['over_floor_plus_launch']:.2f}x), "
+                 f"empty lengths {row['empty_lengths_us']:.1f} us" if "floor_plus_launch_us" in row else ""), flush=True)
+    for row in rows:  # the small cases' sweeps, fastest first
+        if row.get("case", "").startswith("small") and row.get("sweep"):
+            ranked = sorted((e for e in row["sweep"] if "us" in e), key=lambda e: e["us"])
+            print(f"{row['case']} sweep: " + ", ".join(
+                f"n{e['block_n']}w{e['num_warps']}s{e['num_stages']}x{e['splits']} {e['us']:.1f}" for e in ranked[:8]),
+                flush=True)
     step = decode_step_us(copy_rate)
     print(f"decode step with append: {step}", flush=True)
-    hosts = host_times()
+    hosts = {} if "--no-host" in sys.argv else host_times()
     for name, result in hosts.items():
         print(f"host {name:<70} min {result['min_us']:6.1f} median {result['median_us']:6.1f} us", flush=True)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "fmha": fmha.__version__, "copy_TBps": copy_rate, "ragged_lengths": ragged, "rows": rows,
+            "fmha": fmha.__version__, "copy_TBps": copy_rate, "launch_us": launch, "ragged_lengths": ragged, "rows": rows,
             "decode_step": step, "host_us": hosts, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as handle:
+    paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+    if paths:
+        with open(paths[0], "w") as handle:
             json.dump(info, handle, indent=1)
 
 

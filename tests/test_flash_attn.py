@@ -72,9 +72,9 @@ def test_packed_variants_and_their_gradients():
 @pytest.mark.parametrize("kwargs, error, pattern", [
     (dict(window_size=(-2, 0)), ValueError, r"window_size's left side must be an int >= -1"),
     (dict(window_size=(3,)), TypeError, r"window_size must be a \(left, right\) pair"),
-    (dict(softcap=30.0), NotImplementedError, r"softcap"),
-    (dict(dropout_p=0.1), NotImplementedError, r"dropout_p"),
-    (dict(alibi_slopes=torch.ones(4)), NotImplementedError, r"alibi_slopes"),
+    (dict(softcap=-30.0), ValueError, r"softcap must be finite and > 0"),
+    (dict(dropout_p=1.5), ValueError, r"dropout_p must be a float in \[0, 1\]"),
+    (dict(alibi_slopes=torch.ones(2)), ValueError, r"alibi_slopes must have shape \(4,\) or \(1, 4\)"),
 ])
 def test_unsupported_or_bad_arguments_are_named(kwargs, error, pattern):
     (q, k, v), _ = bshd(1, 4, 2, 8, 8, 16)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fmha
+from fmha import kvcache_ops
 from fmha.testing import check_kvcache, random_kvcache
 
 pytestmark = pytest.mark.gpu
@@ -78,6 +79,23 @@ def test_decode_suite_shape_gpu():
     case = random_kvcache(32, 1, 32, 8, 128, 8192, new_keys=0, dtype=torch.bfloat16, device="cuda", seed=5)
     case["cache_seqlens"] = 8192
     check(case)
+
+
+@pytest.mark.parametrize("batch, capacity", [(1, 4096), (8, 2048)])
+def test_small_batch_merge_is_deterministic_gpu(batch, capacity):
+    """The issue's small decode shapes (many chunks per KV head): the chunk that finishes last
+    merges all of them in chunk order, so 50 calls give the same bits, and the arrival counters
+    are zero after each."""
+    case = random_kvcache(batch, 1, 32, 8, 128, capacity, new_keys=0, dtype=torch.bfloat16, device="cuda",
+                          lengths=[capacity - 97 * b for b in range(batch)], seed=seed_of(batch, capacity))
+    out, lse = check(case)
+    forward = kvcache_ops.prepared("test", case["q"], case["k_cache"], case["v_cache"], None, None, None, None,
+                                   case["cache_seqlens"], None, None, None, None, False, (-1, -1), 0.0, True, None, 0)
+    assert forward.splits > 1
+    for _ in range(50):
+        again, again_lse = fmha.flash_attn_with_kvcache(**case, return_softmax_lse=True)
+        assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    assert not forward.arrivals.any()
 
 
 def _decode_step(seed, page_size=16):

@@ -158,6 +158,38 @@ def test_bfloat16_computes_in_float32_under_the_interpreter():
     check(case)
 
 
+def _prepared(case, **options):
+    """The prepared launches of a call (to look at their arrival counters)."""
+    return kvcache_ops.prepared("test", case["q"], case["k_cache"], case["v_cache"], case.get("k"), case.get("v"),
+                                case.get("rotary_cos"), case.get("rotary_sin"), case.get("cache_seqlens"), None,
+                                None, case.get("block_table"), None, options.get("causal", False), (-1, -1), 0.0,
+                                True, None, options.get("num_splits", 0))
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_chunks_merge_in_the_launch_and_reset_their_counters(num_splits):
+    """The last chunk of each tile merges all chunks in chunk order: repeated calls are bitwise
+    equal, and every arrival counter is back at zero after each call (a CUDA graph replays it)."""
+    case = kvcache_case(seqlen_q=3, new_keys=0, capacity=120, lengths=[119, 7, 60], dtype=torch.float32)
+    first, first_lse = check(case, causal=True, num_splits=num_splits)
+    forward = _prepared(case, causal=True, num_splits=num_splits)
+    assert forward.splits > 1 and forward.arrivals is not None
+    assert forward.arrivals.numel() == forward.attend_launch.grid[0] * forward.attend_launch.grid[2]
+    for _ in range(2):
+        out, lse = fmha.flash_attn_with_kvcache(**case, causal=True, num_splits=num_splits, return_softmax_lse=True)
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+        assert not forward.arrivals.any()
+
+
+@pytest.mark.parametrize("name", ["cache_seqlens", "cache_leftpad", "cache_batch_idx"])
+def test_strided_per_sequence_tensors_are_refused(name):
+    """The kernels read these as contiguous (B,) arrays."""
+    case = kvcache_case(new_keys=0, capacity=40, lengths=[5, 6, 7])
+    case[name] = torch.zeros(3, 2, dtype=torch.int32)[:, 0]
+    with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+        fmha.flash_attn_with_kvcache(**case)
+
+
 def test_a_decode_step_reuses_its_launches():
     """Changing lengths (tensor or int) does not change the signature: no new validation."""
     kvcache_ops.forget()

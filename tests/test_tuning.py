@@ -336,7 +336,7 @@ def test_run_backward_uses_the_looked_up_config_unless_one_is_given(fake_gpu, mo
 
     launched = []
     monkeypatch.setattr(backend, "INTERPRETED", False)  # the compiled path's lookup, without compiling
-    monkeypatch.setattr(backend, "launch_backward", lambda *args: launched.append(args[-1]))
+    monkeypatch.setattr(backend, "launch_backward", lambda *args, **scores: launched.append(args[-1]))
     text = ShapeKey.of("bwd", torch.float16, 32, True, 4, 2, 40, 50).text()
     store.store(FAKE_DEVICE, {text: store.config_to_record(BackwardConfig(16, 32, 8, 3))})
     q, k, v = (torch.randn(1, heads, seqlen, 32, dtype=torch.float16) for heads, seqlen in ((4, 40), (2, 50), (2, 50)))

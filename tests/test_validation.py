@@ -74,6 +74,18 @@ def test_not_a_tensor(fn):
     (dict(return_lse="yes"), TypeError, r"return_lse must be a bool"),
     (dict(deterministic=1), TypeError, r"deterministic must be a bool"),
     (dict(config=(64, 64, 4, 3)), TypeError, r"config must be a fmha.ForwardConfig"),
+    (dict(softcap=0.0), ValueError, r"softcap must be finite and > 0"),
+    (dict(softcap=float("inf")), ValueError, r"softcap must be finite and > 0"),
+    (dict(softcap="30"), TypeError, r"softcap must be a real number"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, r"alibi_slopes must be float32"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(4,\) or \(1, 4\)"),
+    (dict(alibi_slopes=[1.0] * 4), TypeError, r"alibi_slopes must be a torch.Tensor or None"),
+    (dict(alibi_slopes=torch.ones(4, device="meta")), ValueError, r"alibi_slopes is on meta"),
+    (dict(sinks=torch.ones(2)), ValueError, r"sinks must have shape \(4,\)"),
+    (dict(sinks=torch.ones(4, dtype=torch.float64)), TypeError, r"sinks must be float32"),
+    (dict(dropout_p=-0.1), ValueError, r"dropout_p must be a float in \[0, 1\]"),
+    (dict(dropout_p=True), ValueError, r"dropout_p must be a float"),
+    (dict(dropout_p=0.1, generator=1), TypeError, r"generator must be a torch.Generator"),
 ])
 def test_keyword_errors(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -103,15 +115,29 @@ def test_no_grad_inputs_that_require_grad_are_fine():
 
 
 class TestSdpaEntryPoint:
-    def test_attn_mask_not_implemented(self):
+    @pytest.mark.parametrize("mask, error, pattern", [
+        (torch.ones(8, 8, dtype=torch.int32), TypeError, r"attn_mask must be bool, float32 or the query's dtype"),
+        (torch.ones(8, 8, dtype=torch.float64), TypeError, r"attn_mask must be bool"),
+        (torch.ones(8, 9, dtype=torch.bool), ValueError, r"attn_mask of shape \(8, 9\) does not broadcast"),
+        (torch.ones(8, dtype=torch.bool), ValueError, r"attn_mask of shape \(8,\) does not broadcast"),
+        (torch.ones(2, 1, 4, 8, 8, dtype=torch.bool), ValueError, r"does not broadcast"),
+        (torch.ones(8, 8, dtype=torch.bool, device="meta"), ValueError, r"attn_mask is on meta"),
+        ("mask", TypeError, r"attn_mask must be a torch.Tensor"),
+    ])
+    def test_bad_attn_masks_are_named(self, mask, error, pattern):
         q, k, v = qkv(k_shape=(1, 4, 8, 16))
-        with pytest.raises(NotImplementedError, match=r"attn_mask"):
-            fmha.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+        with pytest.raises(error, match=pattern):
+            fmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    def test_dropout_not_implemented(self):
+    def test_attn_mask_and_is_causal_together(self):
         q, k, v = qkv(k_shape=(1, 4, 8, 16))
-        with pytest.raises(NotImplementedError, match=r"dropout_p"):
-            fmha.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        with pytest.raises(ValueError, match=r"attn_mask or is_causal=True, not both"):
+            fmha.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True)
+
+    def test_a_mask_that_requires_grad_is_refused(self):
+        q, k, v = qkv(k_shape=(1, 4, 8, 16), dtype=torch.float32)
+        with pytest.raises(NotImplementedError, match=r"attn_mask requires grad"):
+            fmha.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(8, 8, requires_grad=True))
 
     def test_dropout_out_of_range(self):
         q, k, v = qkv(k_shape=(1, 4, 8, 16))

@@ -184,7 +184,8 @@ def test_empty_batch_and_empty_tokens():
     (dict(q=torch.randn(1, 8, 2, 16)), ValueError, r"q must be 3-D \(total_tokens, heads, head_dim\)"),
     (dict(k=torch.randn(8, 3, 16), v=torch.randn(8, 3, 16)), ValueError, "multiple of the number of key/value heads"),
     (dict(window_size=(-2, 0)), ValueError, "window_size's left side"),
-    (dict(softcap=30.0), NotImplementedError, "softcap"),
+    (dict(softcap=-30.0), ValueError, "softcap must be finite and > 0"),
+    (dict(alibi_slopes=torch.ones(3, 2)), ValueError, r"alibi_slopes must have shape \(2,\) or \(2, 2\)"),
     (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "block_table"),
 ])
 def test_bad_arguments_are_named(change, error, pattern):

@@ -2,7 +2,8 @@
 
 Supported
 ---------
-* ``attention(q, k, v, *, causal=False, scale=None, return_lse=False, deterministic=False, config=None)``:
+* ``attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None,
+  sinks=None, dropout_p=0.0, generator=None, return_lse=False, deterministic=False, config=None)``:
   q is (B, Hq, Sq, D), k and v are (B, Hkv, Sk, D), Hq % Hkv == 0 (MHA, GQA, MQA).
 * Any strides, including ``x.transpose(1, 2)`` of a BSHD tensor and stride 0 from
   ``expand``; nothing is copied. The output has q's memory layout when q is dense.
@@ -13,11 +14,25 @@ Supported
   side is min(right, 0). Forward (the Hopper kernel included) and backward, with GQA, Sq != Sk and
   every head dim; key blocks outside the window are skipped, so the cost follows the visible
   pairs. Also in ``naive_attention``.
+* What each score becomes, in this order: ``scale``, ``softcap`` (``softcap * tanh(s / softcap)``),
+  ``alibi_slopes`` ((Hq,) or (B, Hq) float32: ``- slope * |i + Sk - Sq - j|``), masking, softmax with
+  ``sinks`` ((Hq,) float32, learnable: ``exp(sinks[h])`` joins each row's denominator), and
+  ``dropout_p`` on P (FlashAttention's semantics). Forward and backward (the sinks' gradient
+  included) on the portable kernels, dense and varlen, with causal, windows and GQA; the Hopper
+  kernels refuse them for now and decode-like calls keep the per-tile forward. Dropout's bits are
+  made in the kernels from a philox key drawn per call by one torch random op (``generator``, or
+  torch's default generator): no mask in memory, the backward regenerates the same bits, a
+  generator state gives bitwise the same output and gradients, and the call works under
+  ``torch.compile`` and CUDA graphs. ALiBi slopes are not differentiated (as in FlashAttention).
 * ``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
-  (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs).
+  (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs), with ``attn_mask`` (bool or
+  float, float32 or the query's dtype, broadcast over batch and heads and read through its
+  strides: stride-0 expanded masks are never materialised; not differentiated) and
+  ``dropout_p``; a row the mask hides entirely returns zeros, as torch's kernels do.
 * ``naive_attention``: the materialising baseline, same contract as ``attention``.
 * Packed variable-length sequences (varlen): ``varlen_attention(q, k, v, cu_seqlens_q,
-  cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, window, return_lse)`` with q
+  cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, window, softcap, alibi_slopes, sinks,
+  dropout_p, generator, return_lse)`` with q
   (total_q, Hq, D), k and v (total_k, Hkv, D) and int32 ``cu_seqlens``; causal and windows per
   sequence (bottom-right), Sq_i != Sk_i, GQA, sequences of length 0 and 1; LSE (Hq, total_q).
   Forward (the Hopper kernel included) and backward index the packed tensors directly (no
@@ -29,8 +44,9 @@ Supported
 * FlashAttention-2's ``flash_attn_func``, ``flash_attn_qkvpacked_func``,
   ``flash_attn_kvpacked_func``, ``flash_attn_varlen_func``, ``flash_attn_varlen_qkvpacked_func``
   and ``flash_attn_varlen_kvpacked_func`` (``fmha.flash_attn``): its signatures, (B, S, H, D) and
-  THD layouts, ``window_size`` (-1 unbounded) and ``return_attn_probs`` (``(out, softmax_lse,
-  None)``: the third item, the dropout pattern, is None without dropout); no copies.
+  THD layouts, ``window_size`` (-1 unbounded), ``softcap``, ``alibi_slopes``, ``dropout_p`` and
+  ``return_attn_probs`` (``(out, softmax_lse, None)``: the third item, FlashAttention's dropout
+  pattern, is never materialised); no copies.
 * FlashAttention-2's ``flash_attn_with_kvcache`` (``fmha.kvcache``), its signature and semantics:
   in-place append of new k/v at ``cache_seqlens`` (only those rows are written), contiguous caches
   or paged ones (``block_table``, any page size >= 1), ``cache_batch_idx``, ``cache_leftpad``,
@@ -81,10 +97,9 @@ Supported
 Not yet supported (raise ``NotImplementedError``)
 -------------------------------------------------
 * Gradients of ``naive_attention`` (a forward-only baseline).
-* ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p > 0`` (and ``generator``): accepted by
-  name, refused until their kernels land.
-* SDPA ``attn_mask``, a value head dim different from the query's, and batch dims that differ
-  between query and key/value (broadcasting).
+* Gradients of SDPA's ``attn_mask`` (a mask that requires grad).
+* In SDPA: a value head dim different from the query's, and batch dims that differ between query
+  and key/value (broadcasting).
 * Paged K/V in ``flash_attn_varlen_func`` (``block_table``), ``softcap`` and ``alibi_slopes`` in
   ``flash_attn_with_kvcache``, FP8.
 """
@@ -96,7 +111,35 @@ import dataclasses
 import torch
 
 from . import dispatch, ops
-from .params import attention_params, check_flag, varlen_params
+from .params import ScoreTensors, attention_params, check_flag, sdpa_attn_mask, varlen_params
+
+
+def _described(value):
+    """What validation reads of a score argument, for a call-signature key (a tensor's shape,
+    strides, dtype and device; a generator's device); other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.stride(), value.dtype, value.device)
+    if isinstance(value, torch.Generator):
+        return ("generator", value.device)
+    return value
+
+
+def _run(params, prepared, q, k, v, alibi_slopes, sinks, generator, *seqlens):
+    """``(out, lse)`` of a validated call: the prepared launch, or the custom op when gradients need it.
+
+    Dropout draws this call's philox key here (ops.dropout_seed), so that the forward and its
+    backward read the same one.
+    """
+    rng_state = ops.dropout_seed(generator, q.device) if params.options.dropout_p > 0.0 else None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or sinks is not None and sinks.requires_grad):
+        if seqlens:
+            return ops.varlen_forward_op(q, k, v, *seqlens, params.seqlen_q, params.seqlen_k, alibi_slopes, sinks,
+                                         None, rng_state, *params.options.op_args())
+        return ops.forward_op(q, k, v, alibi_slopes, sinks, None, rng_state, *params.options.op_args())
+    if alibi_slopes is None and sinks is None and rng_state is None:
+        return prepared(q, k, v, *seqlens)
+    return prepared(q, k, v, *seqlens, scores=ScoreTensors(alibi_slopes, sinks, None, rng_state))
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -110,9 +153,18 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
         scale: score scale, default D**-0.5.
         window: ``(left, right)`` key window around each query's position ``i + Sk - Sq``;
             ``None`` for a side is unbounded; intersected with ``causal``.
-        softcap, alibi_slopes, sinks, dropout_p, generator: the design's extensions; they raise
-            ``NotImplementedError`` until their kernels land.
-        return_lse: also return the natural-log LSE, float32 (B, Hq, Sq); not differentiable.
+        softcap: each score s (after the scale) becomes ``softcap * tanh(s / softcap)``; a float > 0,
+            or None (off).
+        alibi_slopes: float32 (Hq,) or (B, Hq); adds ``-slope[b, h] * |i + Sk - Sq - j|`` to each
+            score after the softcap. Not differentiated (as in FlashAttention).
+        sinks: float32 (Hq,), learnable: each row's softmax denominator gains ``exp(sinks[h])``, mass
+            that goes to no key (gpt-oss). Differentiable.
+        dropout_p: probability of dropping each entry of P (kept ones scaled by 1 / (1 - p)), as in
+            FlashAttention; the random bits come from ``generator`` (None: torch's default generator
+            of q's device), one key drawn per call, so the same generator state gives the same
+            output and gradients.
+        return_lse: also return the natural-log LSE, float32 (B, Hq, Sq); not differentiable. With
+            sinks it counts the sink's term; dropout does not change it.
         deterministic: require bitwise-reproducible gradients: the portable backward (no atomics)
             instead of the Hopper one, which adds dQ with atomic adds (0.55-0.81x its speed on the H100).
         config: an explicit kernel choice, a ``fmha.ForwardConfig`` (the portable kernel's tiles)
@@ -128,14 +180,16 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
         params = attention_params("fmha.attention", q, k, v, causal=causal, scale=scale, window=window,
                                   softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
                                   generator=generator, deterministic=deterministic, config=config)
-        out, lse = ops.forward_op(q, k, v, *params.options.op_args())
+        rng_state = ops.dropout_seed(generator, q.device) if params.options.dropout_p > 0.0 else None
+        out, lse = ops.forward_op(q, k, v, alibi_slopes, sinks, None, rng_state, *params.options.op_args())
         return (out, lse) if return_lse else out
     # A repeated call signature skips validation and dispatch: everything they read is in the key.
     try:
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
                q.device, k.device, v.device, causal, causal.__class__, scale, scale.__class__, deterministic,
-               deterministic.__class__, config, window, softcap, dropout_p, dropout_p.__class__,
-               alibi_slopes is None and sinks is None and generator is None,
+               deterministic.__class__, config, window, softcap, softcap.__class__, dropout_p, dropout_p.__class__,
+               alibi_slopes is None and sinks is None and generator is None
+               or (_described(alibi_slopes), _described(sinks), _described(generator)),
                (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0)
         found = dispatch.signatures.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable arguments: the checks say why
@@ -147,16 +201,19 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
         found = (params, dispatch.prepared_forward(params, q, k, v))
         if key is not None:
             dispatch.remember(dispatch.signatures, key, found)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = ops.forward_op(q, k, v, *found[0].options.op_args())
+    if alibi_slopes is None and sinks is None and not dropout_p:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = ops.forward_op(q, k, v, None, None, None, None, *found[0].options.op_args())
+        else:
+            out, lse = found[1](q, k, v)
     else:
-        out, lse = found[1](q, k, v)
+        out, lse = _run(*found, q, k, v, alibi_slopes, sinks, generator)
     return (out, lse) if return_lse else out
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
-                     window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, return_lse=False,
-                     deterministic=False):
+                     window=None, softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, generator=None,
+                     return_lse=False, deterministic=False):
     """Attention over packed variable-length sequences (FlashAttention's varlen layout).
 
     Args:
@@ -168,27 +225,30 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             read or written.
         max_seqlen_q, max_seqlen_k: the longest sequences (ints), used as tile hints only.
         causal, window, scale: as in :func:`attention`, per sequence (bottom-right aligned).
+        softcap, alibi_slopes, sinks, dropout_p, generator: as in :func:`attention`; the ALiBi slopes
+            are (Hq,) or (B, Hq) with B the number of sequences, each query at ``i + Sk_b - Sq_b``.
 
     Returns:
         out (total_q, Hq, D), or ``(out, lse)`` with lse (Hq, total_q) float32 when ``return_lse``.
     """
     return packed_attention("fmha.varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, causal=causal, scale=scale, window=window, softcap=softcap,
-                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=return_lse,
-                            deterministic=deterministic)
+                            alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, generator=generator,
+                            return_lse=return_lse, deterministic=deterministic)
 
 
 def packed_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, window,
-                     softcap, alibi_slopes, dropout_p, return_lse, deterministic):
+                     softcap, alibi_slopes, dropout_p, return_lse, deterministic, sinks=None, generator=None):
     """:func:`varlen_attention` for an entry point named ``fn`` (errors name it)."""
     if return_lse.__class__ is not bool:
         check_flag(fn, "return_lse", return_lse)
     if torch.compiler.is_compiling():  # traced: the custom op, whose fake implementation dynamo reads
         params = varlen_params(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                               dropout_p=dropout_p, deterministic=deterministic)
+                               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                               dropout_p=dropout_p, generator=generator, deterministic=deterministic)
+        rng_state = ops.dropout_seed(generator, q.device) if params.options.dropout_p > 0.0 else None
         out, lse = ops.varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, params.seqlen_q, params.seqlen_k,
-                                         *params.options.op_args())
+                                         alibi_slopes, sinks, None, rng_state, *params.options.op_args())
         return (out, lse) if return_lse else out
     # A repeated call signature skips validation and dispatch, as in attention(); CPU calls re-check
     # the cu_seqlens values every time.
@@ -200,7 +260,9 @@ def packed_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                    cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device, cu_seqlens_k.device,
                    max_seqlen_q, max_seqlen_q.__class__, max_seqlen_k, max_seqlen_k.__class__,
                    causal, causal.__class__, scale, scale.__class__, deterministic, deterministic.__class__,
-                   window, softcap, dropout_p, dropout_p.__class__, alibi_slopes is None,
+                   window, softcap, softcap.__class__, dropout_p, dropout_p.__class__,
+                   alibi_slopes is None and sinks is None and generator is None
+                   or (_described(alibi_slopes), _described(sinks), _described(generator)),
                    (q.data_ptr() | k.data_ptr() | v.data_ptr() | cu_seqlens_q.data_ptr()
                     | cu_seqlens_k.data_ptr()) & 15 == 0)
             found = dispatch.signatures.get(key)
@@ -208,17 +270,12 @@ def packed_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         key = found = None
     if found is None:
         params = varlen_params(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                               dropout_p=dropout_p, deterministic=deterministic)
+                               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                               dropout_p=dropout_p, generator=generator, deterministic=deterministic)
         found = (params, dispatch.prepared_forward(params, q, k, v, cu_seqlens_q, cu_seqlens_k))
         if key is not None:
             dispatch.remember(dispatch.signatures, key, found)
-    params, prepared = found
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = ops.varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, params.seqlen_q, params.seqlen_k,
-                                         *params.options.op_args())
-    else:
-        out, lse = prepared(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    out, lse = _run(*found, q, k, v, alibi_slopes, sinks, generator, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if return_lse else out
 
 
@@ -266,7 +323,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Same semantics: inputs (..., H, L, E) or (N, L, E), ``is_causal`` aligned top-left
     (query i sees keys 0..i), ``scale`` default E**-0.5, ``enable_gqa`` to let query
-    heads be a multiple of key/value heads. Unsupported arguments raise NotImplementedError.
+    heads be a multiple of key/value heads. ``attn_mask``: bool (True takes part) or float (added
+    to the scores), float32 or the query's dtype, broadcastable to (..., H, L, S); it is read through
+    its strides (stride 0 where it broadcasts: nothing is expanded in memory) and is not
+    differentiated. A row that the mask hides entirely returns zeros, as torch's own kernels (2.5+) do.
+    ``dropout_p`` draws from torch's default generator of the device. Unsupported arguments raise
+    NotImplementedError.
     """
     fn = "fmha.scaled_dot_product_attention"
     names = ("query", "key", "value")
@@ -275,9 +337,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.ndim < 3:
             raise ValueError(f"{fn}: {name} must have at least 3 dims (N, L, E), got shape {tuple(tensor.shape)}")
-    if attn_mask is not None:
-        raise NotImplementedError(f"{fn}: attn_mask is not supported yet; use is_causal for causal masking")
     is_causal = check_flag(fn, "is_causal", is_causal)
+    if attn_mask is not None and is_causal:
+        raise ValueError(f"{fn}: give attn_mask or is_causal=True, not both (as torch's SDPA)")
     enable_gqa = check_flag(fn, "enable_gqa", enable_gqa)
     if value.shape[-1] != query.shape[-1] and key.shape[-1] == query.shape[-1]:
         raise NotImplementedError(f"{fn}: a value head dim ({value.shape[-1]}) different from the query's "
@@ -296,10 +358,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     else:  # fold extra leading dims into the batch (a view for contiguous inputs)
         batch = query.shape[:-3].numel()
         q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (query, key, value))
+    mask_kind = ""
+    if attn_mask is not None:
+        attn_mask, mask_kind = sdpa_attn_mask(fn, attn_mask, query.shape, key.shape[-2], q.shape, query.dtype,
+                                              query.device)
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(f"{fn}: attn_mask requires grad; fmha does not differentiate the mask "
+                                      "(detach it, or use torch's SDPA)")
     params = attention_params(fn, q, k, v, causal=is_causal, scale=scale, dropout_p=dropout_p, top_left=True,
-                              names=names)
+                              names=names, attn_mask_kind=mask_kind)
     if q.shape[1] != k.shape[1] and not enable_gqa:
         raise ValueError(f"{fn}: query has {q.shape[1]} heads and key {k.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")
-    out, _ = ops.forward(q, k, v, params)
+    rng_state = ops.dropout_seed(None, q.device) if params.options.dropout_p > 0.0 else None
+    out, _ = ops.forward(q, k, v, params, ops.score_tensors(None, None, attn_mask, rng_state))
     return out.reshape(query.shape) if query.ndim != 4 else out

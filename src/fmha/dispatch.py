@@ -119,10 +119,11 @@ class PreparedForward:
                 self.explanation = choose_forward(params, q, k, v, failed={self.explanation.backend: str(error)})
                 self.launch = BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
 
-    def __call__(self, q, k, v, *seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q, k, v, *seqlens, **scores) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``; ``out`` keeps q's layout (BSHD stays BSHD) when q is dense.
 
-        Packed sequences (varlen) also pass ``cu_seqlens_q, cu_seqlens_k``.
+        Packed sequences (varlen) also pass ``cu_seqlens_q, cu_seqlens_k``; score features pass
+        ``scores=ScoreTensors(...)`` (only the portable backend accepts them).
         """
         out = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
@@ -133,9 +134,9 @@ class PreparedForward:
         index = self.device_index
         if index is not None and index != torch.cuda.current_device():
             with torch.cuda.device(index):
-                self.launch(q, k, v, out, lse, *seqlens)
+                self.launch(q, k, v, out, lse, *seqlens, **scores)
         else:
-            self.launch(q, k, v, out, lse, *seqlens)
+            self.launch(q, k, v, out, lse, *seqlens, **scores)
         return out, lse
 
 
@@ -195,11 +196,12 @@ def hopper_backward(params: AttentionParams, *tensors):
     return prepared
 
 
-def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, seqlens: tuple = ()):
+def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, seqlens: tuple = (), **scores):
     """``(dq, dk, dv)`` in the dtypes and shapes of q, k and v: the Hopper backward where it
     runs the call, else the portable one (always with an explicit portable ``config``).
 
-    Packed sequences (varlen) pass ``seqlens=(cu_seqlens_q, cu_seqlens_k)``.
+    Packed sequences (varlen) pass ``seqlens=(cu_seqlens_q, cu_seqlens_k)``; score features pass
+    ``scores=ScoreTensors(...)`` (portable backward only), whose ``sinks_grad`` receives the sinks' gradient.
     """
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if params.device.type == "meta":
@@ -207,7 +209,7 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, 
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     hopper = None
-    if config is None and params.device.type == "cuda":
+    if config is None and params.device.type == "cuda" and not params.options.score_features:
         if not tma_compatible(dout):  # e.g. the expanded gradient of a sum
             dout = dout.contiguous()
         hopper, _ = hopper_backward(params, dout, q, k, v, dq, dk, dv)
@@ -216,7 +218,7 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, 
         if hopper is not None:
             hopper(dout, q, k, v, out, lse, dq, dk, dv)
         else:
-            BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config, seqlens)
+            BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config, seqlens, **scores)
     return dq, dk, dv
 
 

@@ -43,8 +43,8 @@ def _flash(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
                          return_lse=True)
     out = out.transpose(1, 2)
-    # FlashAttention returns (out, softmax_lse, S_dmask); S_dmask holds the dropout pattern only
-    # when dropout is on, which fmha does not build yet: None.
+    # FlashAttention returns (out, softmax_lse, S_dmask); S_dmask, a testing aid holding the
+    # dropout pattern, is never materialised here (the bits live only in the kernels): None.
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -52,10 +52,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """FlashAttention-2's ``flash_attn_func``: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), Hq % Hkv == 0.
 
+    FlashAttention-2's semantics: ``softcap`` > 0 caps each scaled score at ``softcap * tanh(s /
+    softcap)`` (0.0: off); ``alibi_slopes`` (Hq,) or (B, Hq) float32 add ``-slope * |i + Sk - Sq - j|``;
+    ``dropout_p`` drops entries of P (kept ones scaled by 1 / (1 - p)) with bits drawn from torch's
+    default generator of the device (``fmha.attention`` takes a ``generator``).
+
     Returns out (B, Sq, Hq, D), or ``(out, softmax_lse, None)`` with ``return_attn_probs=True``:
-    softmax_lse is (B, Hq, Sq) float32 in natural log; the third item, FlashAttention's dropout
-    pattern ``S_dmask``, is None (no dropout yet). ``softcap`` and ``alibi_slopes`` other than
-    their defaults and ``dropout_p > 0`` raise ``NotImplementedError`` for now.
+    softmax_lse is (B, Hq, Sq) float32 in natural log; the third item, FlashAttention's ``S_dmask``
+    (a testing aid holding the dropout pattern), is None: the pattern never exists in memory.
     """
     return _flash("fmha.flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                   alibi_slopes, deterministic, return_attn_probs)
@@ -101,8 +105,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """``flash_attn_varlen_func``: packed sequences in the THD layout.
 
     q is (total_q, Hq, D), k and v (total_k, Hkv, D); sequence b is rows
-    ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, batch + 1 entries). Causal and window_size are per
-    sequence, bottom-right aligned. Returns out (total_q, Hq, D), or ``(out, softmax_lse, None)``
+    ``cu_seqlens[b]:cu_seqlens[b + 1]`` (int32, batch + 1 entries). Causal, window_size and ALiBi
+    are per sequence, bottom-right aligned; softcap, alibi_slopes ((Hq,) or (B, Hq)) and dropout_p as
+    in :func:`flash_attn_func`. Returns out (total_q, Hq, D), or ``(out, softmax_lse, None)``
     with ``return_attn_probs=True``: softmax_lse is (Hq, total_q) float32, as in FlashAttention-2.
     ``block_table`` (paged K/V) raises ``NotImplementedError`` for now.
     """

@@ -1,8 +1,8 @@
 """``flash_attn_with_kvcache``: FlashAttention-2's inference entry point, with its signature and semantics.
 
 A repeated call signature (a decode step) costs a key lookup, the output allocations and one
-launch (two when the keys are split): the kernel reads the lengths on the device, so nothing waits for the GPU and the
-step can be captured in a CUDA graph. Under ``torch.compile`` the call is a custom op
+launch (the chunks of split keys are merged inside it): the kernel reads the lengths on the
+device, so nothing waits for the GPU and the step can be captured in a CUDA graph. Under ``torch.compile`` the call is a custom op
 (:mod:`fmha.kvcache_ops`).
 """
 

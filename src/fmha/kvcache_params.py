@@ -80,6 +80,8 @@ def _int32_per_sequence(fn: str, name: str, tensor, batch: int, device: torch.de
         raise TypeError(f"{fn}: {name} must be torch.int32, got {tensor.dtype}")
     if tensor.shape[0] != batch:
         raise ValueError(f"{fn}: {name} must have one entry per sequence ({batch}), got {tensor.shape[0]}")
+    if batch > 1 and tensor.stride(0) != 1:  # the kernels read entry b at offset b
+        raise ValueError(f"{fn}: {name} must be contiguous, got stride {tensor.stride(0)}")
     _on_device(fn, name, tensor, device)
 
 
@@ -130,6 +132,8 @@ def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
             raise TypeError(f"{fn}: block_table must be torch.int32, got {block_table.dtype}")
         if block_table.shape[0] != batch:
             raise ValueError(f"{fn}: block_table must have one row per sequence ({batch}), got {block_table.shape[0]}")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:  # entry j of a row read at offset j
+            raise ValueError(f"{fn}: block_table's rows must be contiguous, got stride {block_table.stride(1)}")
         _on_device(fn, "block_table", block_table, device)
         if cache_batch_idx is not None:
             raise ValueError(f"{fn}: cache_batch_idx cannot be used with block_table (the block table already "

@@ -1,11 +1,21 @@
 """Autograd and ``torch.compile`` support: the forward and backward as ``torch.library`` custom ops.
 
-``fmha::forward(q, k, v, <options>) -> (out, lse)``; its autograd formula calls
-``fmha::backward``, which recomputes P from the saved LSE. The options part of both schemas is
-generated from :class:`fmha.params.AttentionOptions`, so the schemas are written once. Both ops
-have fake implementations, so ``torch.compile(fullgraph=True)`` traces through them. The LSE is
-not differentiable. The Hopper backward adds dQ with atomic adds; ``deterministic=True`` takes the
-portable one, which has none (bitwise-reproducible gradients).
+``fmha::forward(q, k, v, alibi_slopes?, sinks?, attn_mask?, rng_state?, <options>) -> (out, lse)``;
+its autograd formula calls ``fmha::backward``, which recomputes P from the saved LSE and returns
+the sinks' gradient beside dq, dk and dv. The options part of both schemas is generated from
+:class:`fmha.params.AttentionOptions`, so the schemas are written once; the score features'
+tensors (:class:`fmha.params.ScoreTensors`) are optional tensor arguments. Both ops have fake
+implementations, so ``torch.compile(fullgraph=True)`` traces through them. The LSE is not
+differentiable, nor are the ALiBi slopes and the attn_mask (as in FlashAttention). The Hopper
+backward adds dQ with atomic adds; ``deterministic=True`` takes the portable one, which has none
+(bitwise-reproducible gradients).
+
+Dropout: :func:`dropout_seed` draws each call's philox key with one torch random op on the
+device, before the custom op. It advances the generator as torch's own random ops do, it is
+recorded by CUDA graphs (a replay draws a fresh key on the device) and traced by torch.compile
+(no host read of the generator, which a graph capture forbids), and activation checkpointing,
+which restores torch's RNG state before recomputing, draws the same key again. The forward saves
+the key for the backward, which regenerates the same bits.
 """
 
 from __future__ import annotations
@@ -13,131 +23,185 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .params import AttentionOptions, AttentionParams, options_schema
+from .params import NO_SCORE_TENSORS, AttentionOptions, AttentionParams, ScoreTensors, options_schema
 
 _OPTIONS = options_schema()
 _OPTION_COUNT = len(AttentionOptions.__dataclass_fields__)
+_SCORES = "Tensor? alibi_slopes, Tensor? sinks, Tensor? attn_mask, Tensor? rng_state"
 
 
-def run_forward(q, k, v, options: AttentionOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def dropout_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The philox key of one call's dropout: int64 (1,) on ``device``, from ``generator`` (None:
+    torch's default generator of the device)."""
+    # 62 random bits: a range every lowering of randint (eager, inductor) takes without overflow.
+    return torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device, generator=generator)
+
+
+def score_tensors(alibi_slopes, sinks, attn_mask, rng_state) -> ScoreTensors:
+    if alibi_slopes is None and sinks is None and attn_mask is None and rng_state is None:
+        return NO_SCORE_TENSORS
+    return ScoreTensors(alibi_slopes, sinks, attn_mask, rng_state)
+
+
+def _launch_forward(prepared, q, k, v, scores: ScoreTensors, *seqlens):
+    if scores is NO_SCORE_TENSORS:
+        return prepared(q, k, v, *seqlens)
+    return prepared(q, k, v, *seqlens, scores=scores)
+
+
+def run_forward(q, k, v, options: AttentionOptions, scores: ScoreTensors = NO_SCORE_TENSORS):
     params = AttentionParams.of(q, k, options)
-    return dispatch.prepared_forward(params, q, k, v)(q, k, v)
+    return _launch_forward(dispatch.prepared_forward(params, q, k, v), q, k, v, scores)
 
 
-def _forward(q, k, v, *options):
-    return run_forward(q, k, v, AttentionOptions.from_op_args(*options))
+def _forward(q, k, v, alibi_slopes, sinks, attn_mask, rng_state, *options):
+    return run_forward(q, k, v, AttentionOptions.from_op_args(*options),
+                       score_tensors(alibi_slopes, sinks, attn_mask, rng_state))
 
 
-def _forward_fake(q, k, v, *options):
+def _forward_fake(q, k, v, alibi_slopes, sinks, attn_mask, rng_state, *options):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _backward_impl(dout, q, k, v, out, lse, *options):
+def _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state, seqlens=()):
+    """``(dq, dk, dv, dsinks)``; dsinks is empty without sinks (an op returns no None)."""
+    if sinks is None:
+        sinks_grad = torch.zeros(0, dtype=torch.float32, device=q.device)
+    else:
+        sinks_grad = torch.zeros_like(sinks, memory_format=torch.contiguous_format)
+    scores = score_tensors(alibi_slopes, sinks, attn_mask, rng_state)
+    if scores is NO_SCORE_TENSORS:
+        grads = dispatch.run_backward(dout, q, k, v, out, lse, params, seqlens=seqlens)
+    else:
+        grads = dispatch.run_backward(dout, q, k, v, out, lse, params, seqlens=seqlens,
+                                      scores=ScoreTensors(alibi_slopes, sinks, attn_mask, rng_state, sinks_grad))
+    return (*grads, sinks_grad)
+
+
+def _backward_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state, *options):
     params = AttentionParams.of(q, k, AttentionOptions.from_op_args(*options))
-    return dispatch.run_backward(dout, q, k, v, out, lse, params)
+    return _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state)
 
 
-def _backward_fake(dout, q, k, v, out, lse, *options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _grads_fake(q, k, v, sinks):
+    sinks_grad = q.new_zeros(0 if sinks is None else sinks.shape[0], dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), sinks_grad
+
+
+def _backward_fake(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state, *options):
+    return _grads_fake(q, k, v, sinks)
 
 
 forward_op = torch.library.custom_op(
     "fmha::forward", _forward, mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor, Tensor)")
+    schema=f"(Tensor q, Tensor k, Tensor v, {_SCORES}, {_OPTIONS}) -> (Tensor, Tensor)")
 forward_op.register_fake(_forward_fake)
 
 backward_op = torch.library.custom_op(
     "fmha::backward", _backward_impl, mutates_args=(),
-    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS}) -> (Tensor, Tensor, Tensor)")
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_SCORES}, {_OPTIONS}) "
+           "-> (Tensor, Tensor, Tensor, Tensor)")
 backward_op.register_fake(_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *options = inputs
+    q, k, v, alibi_slopes, sinks, attn_mask, rng_state, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state)
     ctx.options = options
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = backward_op(grad_out, q, k, v, out, lse, *ctx.options)
-    return (dq, dk, dv) + (None,) * _OPTION_COUNT
+    q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state = ctx.saved_tensors
+    dq, dk, dv, dsinks = backward_op(grad_out, q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state,
+                                     *ctx.options)
+    return (dq, dk, dv, None, None if sinks is None else dsinks, None, None) + (None,) * _OPTION_COUNT
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def needs_op(q, k, v) -> bool:
+def needs_op(q, k, v, sinks=None) -> bool:
     """The custom op (differentiable, traceable) when grads or compilation need it; else launch directly."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or sinks is not None and sinks.requires_grad):
         return True
     return torch.compiler.is_compiling()
 
 
-def forward(q, k, v, params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
-    if needs_op(q, k, v):
-        return forward_op(q, k, v, *params.options.op_args())
-    return dispatch.prepared_forward(params, q, k, v)(q, k, v)
+def forward(q, k, v, params: AttentionParams, scores: ScoreTensors = NO_SCORE_TENSORS):
+    """``(out, lse)`` of a validated call, through the custom op when gradients or tracing need it."""
+    if needs_op(q, k, v, scores.sinks):
+        return forward_op(q, k, v, scores.alibi_slopes, scores.sinks, scores.attn_mask, scores.rng_state,
+                          *params.options.op_args())
+    return _launch_forward(dispatch.prepared_forward(params, q, k, v), q, k, v, scores)
 
 
 # Packed sequences (varlen): q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 cu_seqlens;
 # the LSE is (Hq, total_q). max_seqlen_q/k are tile hints: the kernels read the lengths on the device.
 
 def run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       options: AttentionOptions) -> tuple[torch.Tensor, torch.Tensor]:
+                       options: AttentionOptions, scores: ScoreTensors = NO_SCORE_TENSORS):
     params = AttentionParams.packed(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, options)
-    return dispatch.prepared_forward(params, q, k, v, cu_seqlens_q, cu_seqlens_k)(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    prepared = dispatch.prepared_forward(params, q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return _launch_forward(prepared, q, k, v, scores, cu_seqlens_q, cu_seqlens_k)
 
 
-def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, attn_mask,
+                    rng_state, *options):
     return run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              AttentionOptions.from_op_args(*options))
+                              AttentionOptions.from_op_args(*options),
+                              score_tensors(alibi_slopes, sinks, attn_mask, rng_state))
 
 
-def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
+                         attn_mask, rng_state, *options):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-def _varlen_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
+def _varlen_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          alibi_slopes, sinks, attn_mask, rng_state, *options):
     params = AttentionParams.packed(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                     AttentionOptions.from_op_args(*options))
-    return dispatch.run_backward(dout, q, k, v, out, lse, params, seqlens=(cu_seqlens_q, cu_seqlens_k))
+    return _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state,
+                         seqlens=(cu_seqlens_q, cu_seqlens_k))
 
 
-def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          alibi_slopes, sinks, attn_mask, rng_state, *options):
+    return _grads_fake(q, k, v, sinks)
 
 
 _SEQLENS = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k"
 varlen_forward_op = torch.library.custom_op(
     "fmha::varlen_forward", _varlen_forward, mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_SEQLENS}, {_OPTIONS}) -> (Tensor, Tensor)")
+    schema=f"(Tensor q, Tensor k, Tensor v, {_SEQLENS}, {_SCORES}, {_OPTIONS}) -> (Tensor, Tensor)")
 varlen_forward_op.register_fake(_varlen_forward_fake)
 
 varlen_backward_op = torch.library.custom_op(
     "fmha::varlen_backward", _varlen_backward_impl, mutates_args=(),
-    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_SEQLENS}, {_OPTIONS}) "
-           "-> (Tensor, Tensor, Tensor)")
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_SEQLENS}, {_SCORES}, {_OPTIONS}) "
+           "-> (Tensor, Tensor, Tensor, Tensor)")
 varlen_backward_op.register_fake(_varlen_backward_fake)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks, attn_mask, rng_state, \
+        *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, attn_mask, rng_state)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.options = options
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv = varlen_backward_op(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
-                                    *ctx.options)
-    return (dq, dk, dv) + (None,) * (4 + _OPTION_COUNT)
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, attn_mask, rng_state = ctx.saved_tensors
+    dq, dk, dv, dsinks = varlen_backward_op(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                            *ctx.max_seqlens, alibi_slopes, sinks, attn_mask, rng_state,
+                                            *ctx.options)
+    return (dq, dk, dv) + (None,) * 4 + (None, None if sinks is None else dsinks, None, None) + (None,) * _OPTION_COUNT
 
 
 varlen_forward_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
-

@@ -39,8 +39,15 @@ class AttentionOptions:
     window_right: int | None = None
     top_left: bool = False
     layout: str = "dense"
+    # What each score becomes (the design's order): scale, softcap * tanh(s / softcap), + ALiBi bias
+    # -slope_h * |pos(i) - j| and SDPA's float attn_mask, masking (the window, a bool attn_mask),
+    # softmax with a sink term exp(sinks[h]) in each row's denominator, dropout on P. The tensors
+    # themselves travel beside the options (ScoreTensors); these fields say which are there.
     softcap: float = 0.0  # 0: off
-    dropout_p: float = 0.0
+    has_alibi: bool = False  # alibi_slopes, fp32 (Hq,) or (B, Hq)
+    has_sinks: bool = False  # sinks, fp32 (Hq,)
+    attn_mask_kind: str = ""  # SDPA's attn_mask: "" none, "bool", or the float mask's dtype ("float16", ...)
+    dropout_p: float = 0.0  # random bits from ScoreTensors.rng_state (a philox key drawn per call)
     deterministic: bool = False
     # An explicit kernel choice: "" lets dispatch decide; else the backend's name and its config
     # as integers (fmha.backends.*: ForwardConfig / HopperSchedule .to_ints()).
@@ -50,6 +57,16 @@ class AttentionOptions:
     @property
     def masked(self) -> bool:
         return self.window_left is not None or self.window_right is not None
+
+    @property
+    def scores_modified(self) -> bool:
+        """Whether a score is more than ``scale * q.k`` (softcap, ALiBi, an attn_mask)."""
+        return self.softcap > 0.0 or self.has_alibi or bool(self.attn_mask_kind)
+
+    @property
+    def score_features(self) -> bool:
+        """Any of softcap, ALiBi, sinks, an attn_mask or dropout."""
+        return self.scores_modified or self.has_sinks or self.dropout_p > 0.0
 
     def window(self, seqlen_q: int, seqlen_k: int) -> Window | None:
         if not self.masked:
@@ -144,6 +161,28 @@ class AttentionParams:
                    q.device, options, total_q, k.shape[0])
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreTensors:
+    """The tensors of a call's score features, beside its :class:`AttentionOptions` (which say
+    which are there). Each is None when its feature is off.
+
+    * ``alibi_slopes``: float32 (Hq,) or (B, Hq);
+    * ``sinks``: float32 (Hq,);
+    * ``attn_mask``: SDPA's mask as a (B, Hq, Sq, Sk) view, stride 0 where it broadcasts;
+    * ``rng_state``: int64 (1,) on the device, the philox key of this call's dropout (fmha.ops.dropout_seed);
+    * ``sinks_grad``: float32 (Hq,), written by the backward when sinks are there.
+    """
+
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+    rng_state: torch.Tensor | None = None
+    sinks_grad: torch.Tensor | None = None
+
+
+NO_SCORE_TENSORS = ScoreTensors()
+
+
 def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
     """Raise TypeError/ValueError naming the argument unless q, k, v can be attended."""
     for name, tensor in zip(names, (q, k, v)):
@@ -220,19 +259,94 @@ def check_window(fn: str, window) -> tuple[int | None, int | None]:
     return sides[0], sides[1]
 
 
-def check_not_yet(fn: str, **features) -> None:
-    """Features whose slots exist but whose kernels come with later issues."""
-    for name, value in features.items():
-        if value is not None:
-            raise NotImplementedError(f"{fn}: {name} is not supported yet")
+def check_softcap(fn: str, softcap) -> float:
+    """``softcap``: None (off) or a finite real > 0; 0.0 stands for off in the options."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"{fn}: softcap must be a real number > 0 or None, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{fn}: softcap must be finite and > 0 (None turns it off), got {softcap}")
+    return float(softcap)
+
+
+def _check_float32_tensor(fn: str, name: str, tensor, device: torch.device, shapes: tuple, described: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(tensor).__name__}")
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"{fn}: {name} must be float32, got {tensor.dtype}")
+    if tuple(tensor.shape) not in shapes:
+        raise ValueError(f"{fn}: {name} must have shape {described}, got {tuple(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{fn}: {name} is on {tensor.device} and q on {device}; they must share a device")
+
+
+def check_alibi_slopes(fn: str, alibi_slopes, batch: int, q_heads: int, device: torch.device) -> bool:
+    """``alibi_slopes``: float32 (Hq,) or (B, Hq) on q's device, any strides; not differentiated."""
+    if alibi_slopes is None:
+        return False
+    _check_float32_tensor(fn, "alibi_slopes", alibi_slopes, device, ((q_heads,), (batch, q_heads)),
+                          f"({q_heads},) or ({batch}, {q_heads}) (query heads, or batch and query heads)")
+    return True
+
+
+def check_sinks(fn: str, sinks, q_heads: int, device: torch.device) -> bool:
+    """``sinks``: float32 (Hq,) on q's device, any strides; differentiable."""
+    if sinks is None:
+        return False
+    _check_float32_tensor(fn, "sinks", sinks, device, ((q_heads,),), f"({q_heads},) (one per query head)")
+    return True
 
 
 def check_dropout(fn: str, dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{fn}: dropout_p must be a float in [0, 1], got {dropout_p!r}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(f"{fn}: dropout_p > 0 is not supported yet")
     return float(dropout_p)
+
+
+def check_generator(fn: str, generator, device: torch.device) -> None:
+    """``generator``: None (torch's default for the device) or a torch.Generator of q's device type."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"{fn}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if device.type != "meta" and generator.device.type != device.type:
+        raise ValueError(f"{fn}: generator is a {generator.device.type} generator and q is on {device}; "
+                         f"dropout on {device.type} tensors draws from a {device.type} generator")
+
+
+ATTN_MASK_DTYPES = {torch.bool: "bool", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                    torch.float32: "float32"}
+
+
+def sdpa_attn_mask(fn: str, attn_mask, query_shape: torch.Size, seqlen_k: int, folded: torch.Size,
+                   dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, str]:
+    """SDPA's ``attn_mask`` as a (B, H, Sq, Sk) view of itself (stride 0 where it broadcasts) and its kind.
+
+    As ``torch.nn.functional``: bool (True takes part) or float (added to the scores), float32 or the
+    query's dtype, broadcastable to ``query.shape[:-1] + (Sk,)``. ``folded`` is the query's
+    (B, H, Sq, D) shape after the entry point folded its batch dims.
+    """
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"{fn}: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype not in (torch.bool, torch.float32, dtype):
+        raise TypeError(f"{fn}: attn_mask must be bool, float32 or the query's dtype ({dtype}), got {attn_mask.dtype}")
+    weights = (*query_shape[:-1], seqlen_k)
+    if attn_mask.ndim < 2 or attn_mask.ndim > len(weights):
+        raise ValueError(f"{fn}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the attention "
+                         f"weights' shape {weights} (query.shape[:-1] + (key length,))")
+    try:
+        mask = attn_mask.expand(weights)  # a view: broadcast dims get stride 0, nothing is copied
+    except RuntimeError:
+        raise ValueError(f"{fn}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the attention "
+                         f"weights' shape {weights} (query.shape[:-1] + (key length,))") from None
+    if attn_mask.device != device:
+        raise ValueError(f"{fn}: attn_mask is on {attn_mask.device} and query on {device}; they must share a device")
+    if mask.ndim == 3:
+        mask = mask.unsqueeze(1)
+    elif mask.ndim > 4:  # a view where the batch dims' strides merge, else a copy over them
+        mask = mask.reshape(*folded[:3], seqlen_k)
+    return mask, ATTN_MASK_DTYPES[attn_mask.dtype]
 
 
 def explicit_choice(fn: str, config) -> tuple[str, tuple[int, ...]]:
@@ -248,21 +362,31 @@ def explicit_choice(fn: str, config) -> tuple[str, tuple[int, ...]]:
 
 def attention_params(fn: str, q, k, v, *, causal=False, scale=None, window=None, softcap=None,
                      alibi_slopes=None, sinks=None, dropout_p=0.0, generator=None, deterministic=False,
-                     config=None, top_left=False, names=("q", "k", "v"), backend: str = "") -> AttentionParams:
-    """Validate a call's arguments and reduce them to one :class:`AttentionParams`."""
+                     config=None, top_left=False, names=("q", "k", "v"), backend: str = "",
+                     attn_mask_kind: str = "") -> AttentionParams:
+    """Validate a call's arguments and reduce them to one :class:`AttentionParams`.
+
+    ``attn_mask_kind``: the kind of an SDPA mask that :func:`sdpa_attn_mask` has checked ("" for none).
+    """
     check_qkv(fn, q, k, v, names)
     causal = check_flag(fn, "causal", causal)
     check_flag(fn, "deterministic", deterministic)
     left, right = check_window(fn, window)
     if causal:
         right = 0 if right is None else min(right, 0)
-    check_not_yet(fn, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, generator=generator)
-    dropout_p = check_dropout(fn, dropout_p)
-    chosen, config_ints = explicit_choice(fn, config)
-    options = AttentionOptions(scale=check_scale(fn, scale, q.shape[3]), window_left=left, window_right=right,
-                               top_left=top_left, dropout_p=dropout_p, deterministic=deterministic,
-                               backend=backend or chosen, config=config_ints)
+    batch, q_heads = q.shape[:2]
+    options = AttentionOptions(
+        scale=check_scale(fn, scale, q.shape[3]), window_left=left, window_right=right, top_left=top_left,
+        softcap=check_softcap(fn, softcap), has_alibi=check_alibi_slopes(fn, alibi_slopes, batch, q_heads, q.device),
+        has_sinks=check_sinks(fn, sinks, q_heads, q.device), attn_mask_kind=attn_mask_kind,
+        dropout_p=check_dropout(fn, dropout_p), deterministic=deterministic, **_explicit(fn, config, backend))
+    check_generator(fn, generator, q.device)
     return AttentionParams.of(q, k, options)
+
+
+def _explicit(fn: str, config, backend: str) -> dict:
+    chosen, config_ints = explicit_choice(fn, config)
+    return dict(backend=backend or chosen, config=config_ints)
 
 
 def _check_cu_seqlens(fn: str, name: str, cu_seqlens, device: torch.device, total: int, tokens: str) -> None:
@@ -290,8 +414,8 @@ def _check_max_seqlen(fn: str, name: str, value) -> int:
 
 
 def varlen_params(fn: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                  scale=None, window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, deterministic=False,
-                  names=("q", "k", "v")) -> AttentionParams:
+                  scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None, dropout_p=0.0, generator=None,
+                  deterministic=False, names=("q", "k", "v")) -> AttentionParams:
     """Validate a packed-sequence call: q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 cu_seqlens."""
     for name, tensor in zip(names, (q, k, v)):
         if not isinstance(tensor, torch.Tensor):
@@ -313,10 +437,13 @@ def varlen_params(fn: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     left, right = check_window(fn, window)
     if causal:
         right = 0 if right is None else min(right, 0)
-    check_not_yet(fn, softcap=softcap, alibi_slopes=alibi_slopes)
-    dropout_p = check_dropout(fn, dropout_p)
-    options = AttentionOptions(scale=check_scale(fn, scale, q.shape[2]), window_left=left, window_right=right,
-                               layout="varlen", dropout_p=dropout_p, deterministic=deterministic)
+    batch, q_heads = cu_seqlens_q.numel() - 1, q.shape[1]
+    options = AttentionOptions(
+        scale=check_scale(fn, scale, q.shape[2]), window_left=left, window_right=right, layout="varlen",
+        softcap=check_softcap(fn, softcap), has_alibi=check_alibi_slopes(fn, alibi_slopes, batch, q_heads, q.device),
+        has_sinks=check_sinks(fn, sinks, q_heads, q.device), dropout_p=check_dropout(fn, dropout_p),
+        deterministic=deterministic)
+    check_generator(fn, generator, q.device)
     return AttentionParams.packed(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, options)
 
 

@@ -110,13 +110,21 @@ def _finish(acc, row_max, row_sum):
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=None,
                     causal_offset=None, window: Window | None = None, dtype=torch.float64,
-                    max_score_elements=1 << 26):
+                    max_score_elements=1 << 26, softcap=None, alibi_slopes=None, sinks=None, attn_mask=None,
+                    dropout_p=0.0, keep=None):
     """The direct formula in torch, on the inputs' device, computed in ``dtype``.
 
     The float64 ground truth for GPU tests and the benchmark's correctness gate,
     where NumPy on the host would be too slow. Returns ``(out, lse)`` like the others.
     Query rows go in chunks of at most ``max_score_elements`` scores (512 MiB in float64),
     so that several test processes can share one GPU.
+
+    Score features, in the design's order: ``softcap`` (float), ``alibi_slopes`` ((Hq,) or (B, Hq):
+    ``-slope · |i + Sk - Sq - j|``), ``attn_mask`` (bool: True takes part; float: added; broadcast
+    to (B, Hq, Sq, Sk)), the window, then the softmax with ``sinks`` ((Hq,): ``exp(sink)`` joins each
+    row's denominator) and dropout: ``keep`` is the (B, Hq, Sq, Sk) bool pattern of kept entries,
+    which are scaled by 1 / (1 - dropout_p). The LSE counts the sink and ignores dropout; a row that
+    sees no key gets zeros and LSE -inf (with sinks too). Differentiable in q, k, v and sinks.
     """
     window = window_of(causal_offset, window)
     group = q.shape[1] // k.shape[1]
@@ -127,19 +135,44 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale=
         scale = 1.0 / math.sqrt(q.shape[-1])
     batch, heads, seqlen_q, _ = q.shape
     seqlen_k = k.shape[2]
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(batch, heads, seqlen_q, seqlen_k)
+    if keep is not None:
+        keep = keep.expand(batch, heads, seqlen_q, seqlen_k)
+    if alibi_slopes is not None:  # (B, H, 1, 1)
+        slopes = alibi_slopes.to(dtype).expand(batch, heads)[:, :, None, None]
     rows_per_chunk = max(1, max_score_elements // max(1, batch * heads * seqlen_k))
     outs, lses = [], []
     for start in range(0, seqlen_q, rows_per_chunk):
         q_chunk = q[:, :, start:start + rows_per_chunk]
+        chunk = slice(start, start + q_chunk.shape[2])
+        rows = torch.arange(start, start + q_chunk.shape[2], device=q.device)
+        keys = torch.arange(seqlen_k, device=q.device)
         scores = (q_chunk @ k.transpose(-1, -2)) * scale  # [B, H, chunk, Sk]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if alibi_slopes is not None:
+            distance = (rows[:, None] + seqlen_k - seqlen_q - keys[None, :]).abs().to(dtype)
+            scores = scores - slopes * distance
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                scores = scores.masked_fill(~attn_mask[:, :, chunk], float("-inf"))
+            else:
+                scores = scores + attn_mask[:, :, chunk].to(dtype)
         if window is not None:
-            rows = torch.arange(start, start + q_chunk.shape[2], device=q.device)
-            seen = window.visible(rows, torch.arange(seqlen_k, device=q.device))
+            seen = window.visible(rows, keys)
             scores = scores.masked_fill(~seen, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
+        sees_nothing = torch.isneginf(scores).all(dim=-1)
+        if sinks is not None:
+            sink_scores = sinks.to(dtype)[None, :, None, None].expand(batch, heads, q_chunk.shape[2], 1)
+            lse = torch.logsumexp(torch.cat((scores, sink_scores), dim=-1), dim=-1)
+        else:
+            lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+        if keep is not None:
+            probs = torch.where(keep[:, :, chunk], probs / (1.0 - dropout_p) if dropout_p < 1 else 0.0, 0.0)
         outs.append(probs @ v)
-        lses.append(lse)
+        lses.append(torch.where(sees_nothing, float("-inf"), lse))
     if not outs:  # Sq == 0
         return q.new_zeros(batch, heads, 0, v.shape[-1]), q.new_zeros(batch, heads, 0)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

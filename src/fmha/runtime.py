@@ -87,8 +87,8 @@ class Float32Forward:
     def __init__(self, inner):
         self.inner = inner
 
-    def __call__(self, q, k, v, out, lse, *seqlens):
+    def __call__(self, q, k, v, out, lse, *seqlens, **scores):
         out32 = torch.empty(out.shape, dtype=torch.float32, device=out.device)
-        compiled = self.inner(q.float(), k.float(), v.float(), out32, lse, *seqlens)
+        compiled = self.inner(q.float(), k.float(), v.float(), out32, lse, *seqlens, **scores)
         out.copy_(out32)
         return compiled

@@ -53,17 +53,24 @@ def torch_math_attention(q, k, v, *, causal_offset=None, window: Window | None =
     return out.nan_to_num(0.0)
 
 
-def assert_close_to_reference(out, q, k, v, *, causal_offset=None, window=None, scale=None, lse=None, atol=None):
+def assert_close_to_reference(out, q, k, v, *, causal_offset=None, window=None, scale=None, lse=None, atol=None,
+                              **scores):
     """The project's error rule.
 
     max|out - ref64| <= 2 * max|torch_math - ref64| + atol, with ref64 the float64 truth,
     torch_math PyTorch's same-dtype attention on the same inputs. NaN never passes.
+    ``scores``: score features as :func:`fmha.reference.dense_attention` takes them (softcap,
+    alibi_slopes, sinks, attn_mask, dropout_p with keep); PyTorch's same-dtype attention is then
+    that formula evaluated by torch in q's dtype.
     """
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any(), "output contains NaN (unwritten or invalid elements)"
     window = window_of(causal_offset, window)
-    ref, ref_lse = dense_attention(q, k, v, scale=scale, window=window)
-    torch_out = torch_math_attention(q, k, v, window=window, scale=scale)
+    ref, ref_lse = dense_attention(q, k, v, scale=scale, window=window, **scores)
+    if scores:
+        torch_out = dense_attention(q, k, v, scale=scale, window=window, dtype=q.dtype, **scores)[0]
+    else:
+        torch_out = torch_math_attention(q, k, v, window=window, scale=scale)
     torch_error = (torch_out.double() - ref).abs().max().item() if ref.numel() else 0.0
     error = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
     if atol is None:
@@ -81,16 +88,23 @@ def assert_close_to_reference(out, q, k, v, *, causal_offset=None, window=None, 
     return error, torch_error
 
 
-def assert_grads_close(grads, q, k, v, dout, *, causal_offset=None, window=None, scale=None, atol=None):
+def assert_grads_close(grads, q, k, v, dout, *, causal_offset=None, window=None, scale=None, atol=None, **scores):
     """The error rule for dq, dk, dv: at most 2x the error of torch's own same-dtype autograd.
 
     Both are measured against float64 autograd of the same formula; NaN never passes.
+    ``scores``: as :func:`assert_close_to_reference`; with ``sinks``, ``grads`` may hold the sinks'
+    gradient fourth (torch's same-dtype sinks gradient is taken with float32 sinks, their dtype).
     """
     window = window_of(causal_offset, window)
+    sinks = scores.pop("sinks", None)
+    leaves_of = (q, k, v) if sinks is None or len(grads) == 3 else (q, k, v, sinks)
 
     def autograd_of(dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out, _ = dense_attention(*leaves, scale=scale, window=window, dtype=dtype)
+        if len(leaves_of) == 4:
+            leaves.append(sinks.detach().clone().requires_grad_())
+        out, _ = dense_attention(*leaves[:3], scale=scale, window=window, dtype=dtype,
+                                 sinks=sinks if len(leaves) == 3 else leaves[3], **scores)
         return torch.autograd.grad(out, leaves, dout.to(dtype))
 
     truth = autograd_of(torch.float64)
@@ -98,7 +112,7 @@ def assert_grads_close(grads, q, k, v, dout, *, causal_offset=None, window=None,
     if atol is None:
         atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[q.dtype]
     errors = []
-    for name, got, ref, torch_grad, leaf in zip(("dq", "dk", "dv"), grads, truth, same_dtype, (q, k, v)):
+    for name, got, ref, torch_grad, leaf in zip(("dq", "dk", "dv", "dsinks"), grads, truth, same_dtype, leaves_of):
         assert got.shape == leaf.shape and got.dtype == leaf.dtype, name
         assert not torch.isnan(got).any(), f"{name} contains NaN"
         error = (got.double() - ref).abs().max().item() if ref.numel() else 0.0

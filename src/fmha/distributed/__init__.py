@@ -33,7 +33,8 @@ What PyTorch's context parallelism does not do, so neither does this:
 * Packed sequences (varlen, ``cu_seqlens``): only dense SDPA operators are sharded.
 * ``is_causal`` with Sq != Sk ("is_causal requires the same query and context sequence lengths"),
   and sequence lengths not divisible by twice the number of ranks under load balancing.
-* Dropout: the dropout probability reaches each chunk, but fmha has no dropout yet.
+* Dropout: the dropout probability reaches each chunk through torch's flash-attention operator,
+  which fmha's registry refuses with dropout (its key is not torch's seed and offset).
 
 GQA works: K/V with fewer heads travel around the ring as they are.
 Checked with torch 2.11 and 2.13: these internals (``_cp_options``, ``_HeadTailLoadBalancer``)

@@ -120,7 +120,8 @@ def _window(left, right):
 def _refuse_unsupported(dropout_p=0.0, return_debug_mask=False, **unsupported) -> None:
     """NotImplementedError for what torch's flash kernels do and fmha does not (yet)."""
     if dropout_p > 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p} (fmha has no dropout yet)")
+        raise NotImplementedError(f"dropout_p={dropout_p} (fmha's dropout draws its own philox key, not the "
+                                  "seed and offset these ops pass between forward and backward)")
     if return_debug_mask:
         raise NotImplementedError("return_debug_mask=True (the dropout pattern)")
     for name, value in unsupported.items():  # also arguments of a newer torch that fmha does not know

@@ -37,6 +37,15 @@ def _tma_strides_ok(tensor: torch.Tensor) -> bool:
     return tma_compatible(tensor)
 
 
+def score_features_refusal(options) -> str:
+    """The score features the Gluon kernels do not build yet (fmha.params.AttentionOptions); the
+    portable kernel runs them."""
+    wanted = [name for name, on in (("softcap", options.softcap > 0), ("ALiBi", options.has_alibi),
+                                    ("sinks", options.has_sinks), ("an attn_mask", bool(options.attn_mask_kind)),
+                                    ("dropout", options.dropout_p > 0)) if on]
+    return f"{', '.join(wanted)} not built here yet"
+
+
 class HopperBackend:
     name = "gluon_sm90"
     description = "warp-specialised Gluon kernels for sm_90 (TMA, wgmma)"
@@ -61,6 +70,8 @@ class HopperBackend:
             return "needs a positive scale (it is folded into exp2 after the row max)"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
+        if options.score_features:
+            return score_features_refusal(options)
         for name, tensor in zip("qkv", (q, k, v)):
             if params.varlen:  # packed (total, H, D): described as (1, H, total, D)
                 tensor = tensor.unsqueeze(0).transpose(1, 2)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ...params import AttentionParams
+from ...params import NO_SCORE_TENSORS, AttentionParams, ScoreTensors
 from ...runtime import INTERPRETED, Float32Forward, interpreter_upcasts, multiprocessors
 from ...tuning import lookup
 from .config import (INTERPRETER_BACKWARD_CONFIG, INTERPRETER_FORWARD_CONFIG, BackwardConfig, ForwardConfig,
@@ -28,7 +28,9 @@ class TritonBackend:
     def forward_config(self, params: AttentionParams) -> tuple[ForwardConfig, str]:
         if params.options.backend == self.name:
             return ForwardConfig.from_ints(params.options.config), "explicit config="
-        split = None if params.varlen else split_kv_config(params, multiprocessors(params.device))
+        # The split-KV kernels have no score features: such calls keep the per-tile forward.
+        split = None if params.varlen or params.options.score_features else split_kv_config(
+            params, multiprocessors(params.device))
         if split is not None:
             return split, f"split-KV: {params.batch * params.kv_heads} KV heads for {multiprocessors(params.device)} multiprocessors"
         if INTERPRETED:
@@ -47,14 +49,15 @@ class TritonBackend:
         return lookup.backward_config(params)
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, params: AttentionParams,
-                 config: BackwardConfig | None = None, seqlens: tuple = ()) -> None:
+                 config: BackwardConfig | None = None, seqlens: tuple = (), scores: ScoreTensors = NO_SCORE_TENSORS
+                 ) -> None:
         if config is None:
             config, _ = self.backward_config(params)
         if interpreter_upcasts(params.dtype):
             grads = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (dq, dk, dv)]
             launch_backward(q.float(), k.float(), v.float(), out.float(), dout.float(), lse, *grads,
-                            dataclasses.replace(params, dtype=torch.float32), config, *seqlens)
+                            dataclasses.replace(params, dtype=torch.float32), config, *seqlens, scores=scores)
             for grad, grad32 in zip((dq, dk, dv), grads):
                 grad.copy_(grad32)
             return
-        launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params, config, *seqlens)
+        launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params, config, *seqlens, scores=scores)

@@ -15,6 +15,13 @@ written by exactly one program: the gradients are deterministic run to run.
 Masking follows the forward (:mod:`fmha.backends.triton.masking`): blocks outside the window are
 skipped, blocks crossing its edges (or the end of a sequence) run a masked pass, the others run
 unmasked.
+
+Score features (:mod:`fmha.backends.triton.scores`, the forward's helpers): P is recomputed from the
+modified scores; the softcap scales dS by its derivative ``1 - tanh²``; ALiBi and the attn_mask are
+constants; the LSE already counts the sinks (their gradient, ``-sum_i exp(sink - lse_i) · delta_i``,
+is :func:`sinks_grad_kernel`'s); dropout regenerates the forward's bits: ``dV = (P ∘ Z)ᵀ dO`` and
+``dP = Z ∘ dO Vᵀ`` with Z the kept mask scaled by 1/(1 - p), and delta = rowsum(O ⊙ dO) still
+equals rowsum(P ∘ dP).
 """
 
 import triton
@@ -22,6 +29,7 @@ import triton.language as tl
 
 from .common import load_rows
 from .masking import key_blocks, query_blocks, visible
+from .scores import NO_MASK, dropout_keep, score_mods, score_tile
 from .varlen import program_block
 
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -51,6 +59,29 @@ def backward_preprocess_kernel(
 
 
 @triton.jit
+def sinks_grad_kernel(Lse, Delta, Sinks, SinksGrad, stride_lb, stride_lh, stride_sh, batch, seqlen_q,
+                      BLOCK: tl.constexpr):
+    """Program h: ``SinksGrad[h] = -sum over batches and rows of exp(sinks[h] - lse) * delta``.
+
+    The sink's probability takes mass from every key and gives the output nothing, so its score's
+    gradient is ``P(sink) * (0 - delta)``; a row that saw no key (LSE -inf) adds 0. One program per
+    head sums in a fixed order: deterministic, and one launch.
+    """
+    head = tl.program_id(0)
+    sink = tl.load(Sinks + head * stride_sh)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for b in range(0, batch):
+        base = tl.cast(b, tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+        for start in range(0, seqlen_q, BLOCK):
+            rows = start + tl.arange(0, BLOCK)
+            lse = tl.load(Lse + base + rows, mask=rows < seqlen_q, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)  # P(sink) = 0, not inf * 0
+            delta = tl.load(Delta + base + rows, mask=rows < seqlen_q, other=0.0)
+            total += tl.exp(sink - lse) * delta
+    tl.store(SinksGrad + head, -tl.sum(total, 0))
+
+
+@triton.jit
 def _load_row_stats(lse_ptr, delta_ptr, rows, seqlen_q, MASKED: tl.constexpr):
     """LSE (log2 units) and delta of some query rows; a row that saw no key gets LSE +inf, so P = 0."""
     if MASKED:
@@ -69,11 +100,13 @@ def _dkdv_query_blocks(
     k, v,  # [BLOCK_N, BLOCK_D]
     q_base, do_base, lse_ptr, delta_ptr,
     stride_qm, stride_qd, stride_dom, stride_dod,
-    keys, offs_m, offs_d,
-    m_start, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    keys, first_key, offs_m, offs_d,
+    m_start, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
+    softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, threshold, dropout_scale = mods
     for start_m in range(m_start, m_end, BLOCK_M):
         rows = start_m + offs_m  # [BLOCK_M]
         q = load_rows(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, rows, seqlen_q,
@@ -81,33 +114,52 @@ def _dkdv_query_blocks(
         do = load_rows(do_base + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, rows, seqlen_q,
                         offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_M, BLOCK_D]
         lse, delta = _load_row_stats(lse_ptr, delta_ptr, rows, seqlen_q, MASKED)  # [BLOCK_M] each
-        scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        raw_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        if SOFTCAP or ALIBI or MASK != NO_MASK:
+            scores_t, capped_t = score_tile(raw_t, rows[None, :], keys[:, None], seqlen_q, seqlen_k, qk_scale,
+                                            softcap_scale, slope, mask_ptr, stride_mm, stride_mn,
+                                            SOFTCAP, ALIBI, MASK)
+        else:
+            scores_t = raw_t * qk_scale
         probs_t = tl.math.exp2(scores_t - lse[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
             seen = visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
             probs_t = tl.where(seen & (rows[None, :] < seqlen_q), probs_t, 0.0)
-        dv = tl.dot(probs_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        if DROPOUT:  # the forward's bits, made in its [rows, keys] order
+            keep_t = tl.trans(dropout_keep(seed, (rng_row + rows) * rng_groups, first_key, threshold,
+                                           BLOCK_M, BLOCK_N))
+            dv = tl.dot(tl.where(keep_t, probs_t * dropout_scale, 0.0).to(do.dtype), do, dv,
+                        input_precision=DOT_PRECISION)
+        else:
+            dv = tl.dot(probs_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dprobs_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        if DROPOUT:
+            dprobs_t = tl.where(keep_t, dprobs_t * dropout_scale, 0.0)
         dscores_t = probs_t * (dprobs_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+        if SOFTCAP:
+            dscores_t = dscores_t * (1.0 - capped_t * capped_t)
         dk = tl.dot(dscores_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
 def backward_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Tiles,
+    Q, K, V, DOut, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Mask, RngState,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
+    softcap_scale, dropout_threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
+    total_q, total_k = seqlen_q, seqlen_k  # the dropout counters' row numbering (packed: the totals)
     # One key block of one KV head (packed sequences: an entry of the key-block list).
     past_end, n_block, batch, kv_head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
         Tiles, CuSeqlensQ, CuSeqlensK, num_kv_heads, seqlen_q, seqlen_k, lo, hi, VARLEN)
@@ -140,18 +192,28 @@ def backward_dkdv_kernel(
         row_stats = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
         lse_ptr = Lse + row_stats
         delta_ptr = Delta + row_stats
+        if VARLEN:
+            rng_row = head * total_q + q_start
+        else:
+            rng_row = (batch * num_q_heads + head) * seqlen_q
+        mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm,
+                          stride_mn, softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row, total_k,
+                          ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
-            keys, offs_m, offs_d, m_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+            keys, n_block * BLOCK_N, offs_m, offs_d, m_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+            SOFTCAP, ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
-            keys, offs_m, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+            keys, n_block * BLOCK_N, offs_m, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+            SOFTCAP, ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
-            keys, offs_m, offs_d, full_end, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+            keys, n_block * BLOCK_N, offs_m, offs_d, full_end, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+            SOFTCAP, ALIBI, MASK, DROPOUT)
 
     dk = dk * scale
     tl.store(DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh + k_start * stride_dkn
@@ -166,41 +228,56 @@ def _dq_key_blocks(
     q, do, lse, delta,  # [BLOCK_M, BLOCK_D] x2, [BLOCK_M] x2
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     rows, offs_n, offs_d,
-    n_start, n_end, seqlen_k, lo, hi, qk_scale,
+    n_start, n_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
+    softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, threshold, dropout_scale = mods
     for start_n in range(n_start, n_end, BLOCK_N):
         keys = start_n + offs_n  # [BLOCK_N]
         k = load_rows(k_base + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, keys, seqlen_k,
                        offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
         v = load_rows(v_base + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, keys, seqlen_k,
                        offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        raw = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP or ALIBI or MASK != NO_MASK:
+            scores, capped = score_tile(raw, rows[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale,
+                                        softcap_scale, slope, mask_ptr, stride_mm, stride_mn, SOFTCAP, ALIBI, MASK)
+        else:
+            scores = raw * qk_scale
         probs = tl.math.exp2(scores - lse[:, None])  # [BLOCK_M, BLOCK_N]
         if MASKED:
             seen = visible(rows[:, None], keys[None, :], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
             probs = tl.where(seen, probs, 0.0)
         dprobs = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if DROPOUT:
+            keep = dropout_keep(seed, (rng_row + rows) * rng_groups, start_n, threshold, probs.shape[0], BLOCK_N)
+            dprobs = tl.where(keep, dprobs * dropout_scale, 0.0)
         dscores = probs * (dprobs - delta[:, None])  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            dscores = dscores * (1.0 - capped * capped)
         dq = tl.dot(dscores.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
 @triton.jit
 def backward_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Tiles,
+    Q, K, V, DOut, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Mask, RngState,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
     num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
+    softcap_scale, dropout_threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
+    total_q, total_k = seqlen_q, seqlen_k  # the dropout counters' row numbering (packed: the totals)
     past_end, m_block, batch, head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
         Tiles, CuSeqlensQ, CuSeqlensK, num_q_heads, seqlen_q, seqlen_k, lo, hi, VARLEN)
     if past_end:
@@ -221,6 +298,13 @@ def backward_dq_kernel(
     lse, delta = _load_row_stats(Lse + row_stats, Delta + row_stats, rows, seqlen_q, True)
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn
+    if VARLEN:
+        rng_row = head * total_q + q_start
+    else:
+        rng_row = (batch * num_q_heads + head) * seqlen_q
+    mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
+                      softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row, total_k,
+                      ALIBI, MASK, DROPOUT)
 
     # The forward's key ranges: masked, whole blocks every row sees, masked.
     kv_start, full_start, full_end, kv_end = key_blocks(
@@ -229,14 +313,17 @@ def backward_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_LEFT:
         dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                            rows, offs_n, offs_d, kv_start, full_start, seqlen_k, lo, hi, qk_scale,
-                            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+                            rows, offs_n, offs_d, kv_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                            SOFTCAP, ALIBI, MASK, DROPOUT)
     dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                        rows, offs_n, offs_d, full_start, full_end, seqlen_k, lo, hi, qk_scale,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+                        rows, offs_n, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                        SOFTCAP, ALIBI, MASK, DROPOUT)
     dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                        rows, offs_n, offs_d, full_end, kv_end, seqlen_k, lo, hi, qk_scale,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+                        rows, offs_n, offs_d, full_end, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                        SOFTCAP, ALIBI, MASK, DROPOUT)
     dq = dq * scale
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_start * stride_dqm
              + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=q_mask)

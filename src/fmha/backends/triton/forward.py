@@ -23,6 +23,12 @@ Compile-time switches (the launcher picks them per device, see ``fmha.backends.t
   softmax of the current one, so the tensor cores and the exp units can overlap;
 * ``WARP_SPECIALIZE``: Triton's producer/consumer warp specialisation of the unmasked loop;
 * ``PERSISTENT``: one program per SM walks the tiles, saving launches and prologues.
+
+Score features (:mod:`fmha.backends.triton.scores`), each a constexpr that costs nothing when off:
+``SOFTCAP``, ``ALIBI``, ``MASK`` (SDPA's bool or float attn_mask, loaded through its strides, stride 0
+where it broadcasts), ``SINKS`` (each row's denominator gains ``exp(sinks[h])``, folded in where the
+row is normalised) and ``DROPOUT`` (kept probabilities enter P·V; the 1/(1 - p) rescale is folded
+into the normalisation; the LSE is that of the softmax before dropout).
 """
 
 import triton
@@ -30,6 +36,8 @@ import triton.language as tl
 
 from .common import load_rows
 from .masking import key_blocks, visible
+from .scores import LOG2_E as LOG2_E_CONSTEXPR
+from .scores import NO_MASK, dropout_keep, score_mods, score_tile
 from .varlen import packed_spans, program_tile
 
 LOG2_E = 1.4426950408889634
@@ -52,12 +60,21 @@ def _softmax_update(
     acc, row_sum, row_max,  # [BLOCK_M, BLOCK_D] f32, [BLOCK_M] f32, [BLOCK_M] f32 (log2 units)
     raw_scores,  # [BLOCK_M, BLOCK_N] f32, Q·Kᵀ unscaled
     v,  # [BLOCK_N, BLOCK_D]
-    keys, offs_m, seqlen_k, lo, hi, qk_scale,
+    start_n, keys, offs_m, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FUSED_SCALE: tl.constexpr,
+    FUSED_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
-    """Fold one key block into the running max, sum and output accumulator."""
-    if FUSED_SCALE:
+    """Fold one key block into the running max, sum and output accumulator.
+
+    ``mods``: the score features' runtime values (:func:`fmha.backends.triton.scores.score_mods`).
+    """
+    softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, threshold, _ = mods
+    if SOFTCAP or ALIBI or MASK != NO_MASK:
+        tl.static_assert(not FUSED_SCALE, "modified scores are scaled before the row max")
+        scores, _ = score_tile(raw_scores, offs_m[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale,
+                               softcap_scale, slope, mask_ptr, stride_mm, stride_mn, SOFTCAP, ALIBI, MASK)
+    elif FUSED_SCALE:
         scores = raw_scores
     else:
         scores = raw_scores * qk_scale
@@ -68,7 +85,7 @@ def _softmax_update(
         new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)  # [BLOCK_M]
     else:
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
-    if MASKED:
+    if MASKED or MASK != NO_MASK:
         # A row that has seen no key yet keeps max = -inf; subtracting 0 instead
         # gives exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
         new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -80,6 +97,10 @@ def _softmax_update(
         probs = tl.math.exp2(scores - new_max_safe[:, None])  # [BLOCK_M, BLOCK_N]
     rescale = tl.math.exp2(row_max - new_max_safe)  # [BLOCK_M]
     row_sum = row_sum * rescale + tl.sum(probs, 1)
+    if DROPOUT:  # the softmax's sum counts every probability; P·V only the kept ones
+        keep = dropout_keep(seed, (rng_row + offs_m) * rng_groups, start_n, threshold,
+                            probs.shape[0], probs.shape[1])
+        probs = tl.where(keep, probs, 0.0)
     acc = tl.dot(probs.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
     return acc, row_sum, new_max
 
@@ -92,10 +113,11 @@ def _attend_kv_blocks(
     k_desc, v_desc, batch, kv_head,  # (B, H, S, D) descriptors of K and V (with TMA)
     stride_kn, stride_vn,
     offs_m, offs_n, offs_d,
-    kv_start, kv_end, seqlen_k, lo, hi, qk_scale,
+    kv_start, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     for start_n in tl.range(kv_start, kv_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         keys = start_n + offs_n  # [BLOCK_N]
@@ -105,8 +127,8 @@ def _attend_kv_blocks(
         v = _load_kv(v_ptrs + start_n * stride_vn, v_desc, batch, kv_head, start_n, keys, seqlen_k, offs_d,
                      HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
         acc, row_sum, row_max = _softmax_update(
-            acc, row_sum, row_max, raw_scores, v, keys, offs_m, seqlen_k, lo, hi, qk_scale,
-            MASKED, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, FUSED_SCALE)
+            acc, row_sum, row_max, raw_scores, v, start_n, keys, offs_m, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            MASKED, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, FUSED_SCALE, SOFTCAP, ALIBI, MASK, DROPOUT)
     return acc, row_sum, row_max
 
 
@@ -114,9 +136,10 @@ def _attend_kv_blocks(
 def _attend_kv_blocks_pipelined(
     acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head,
     stride_kn, stride_vn, offs_m, offs_n, offs_d,
-    kv_start, kv_end, seqlen_k, lo, hi, qk_scale,
+    kv_start, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """The unmasked loop with Q·Kᵀ one block ahead of the softmax (kv_end > kv_start)."""
     k = _load_kv(k_ptrs + kv_start * stride_kn, k_desc, batch, kv_head, kv_start, kv_start + offs_n,
@@ -130,33 +153,36 @@ def _attend_kv_blocks_pipelined(
         v = _load_kv(v_ptrs + start_n * stride_vn, v_desc, batch, kv_head, start_n, start_n + offs_n,
                      seqlen_k, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA)
         acc, row_sum, row_max = _softmax_update(
-            acc, row_sum, row_max, raw_scores, v, start_n + offs_n, offs_m, seqlen_k, lo, hi, qk_scale,
-            False, False, False, DOT_PRECISION, FUSED_SCALE)
+            acc, row_sum, row_max, raw_scores, v, start_n, start_n + offs_n, offs_m, seqlen_q, seqlen_k, lo, hi,
+            qk_scale, mods, False, False, False, DOT_PRECISION, FUSED_SCALE, SOFTCAP, ALIBI, MASK, DROPOUT)
         raw_scores = next_scores
     last_n = kv_end - BLOCK_N
     v = _load_kv(v_ptrs + last_n * stride_vn, v_desc, batch, kv_head, last_n, last_n + offs_n,
                  seqlen_k, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA)
-    return _softmax_update(acc, row_sum, row_max, raw_scores, v, last_n + offs_n, offs_m, seqlen_k,
-                           lo, hi, qk_scale, False, False, False, DOT_PRECISION, FUSED_SCALE)
+    return _softmax_update(acc, row_sum, row_max, raw_scores, v, last_n, last_n + offs_n, offs_m, seqlen_q, seqlen_k,
+                           lo, hi, qk_scale, mods, False, False, False, DOT_PRECISION, FUSED_SCALE,
+                           SOFTCAP, ALIBI, MASK, DROPOUT)
 
 
 @triton.jit
 def _forward_tile(
-    Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+    Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc, Sinks,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_sh,
     batch, head, m_block, q_start, k_start,
-    group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
+    group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, PIPELINE_QK: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, SINKS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """Rows [m_block * BLOCK_M, +BLOCK_M) of one head of one sequence, which starts at token
-    ``q_start`` of Q (``k_start`` of K and V): 0 for dense tensors, the packed offset for varlen."""
+    ``q_start`` of Q (``k_start`` of K and V): 0 for dense tensors, the packed offset for varlen.
+    ``mods``: :func:`fmha.backends.triton.scores.score_mods` of this (batch, head)."""
     kv_head = head // group_size
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -188,30 +214,45 @@ def _forward_tile(
     if HAS_LEFT:  # blocks crossing the window's left edge
         acc, row_sum, row_max = _attend_kv_blocks(
             acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, kv_start, full_start, seqlen_k, lo, hi, qk_scale,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False)
+            offs_m, offs_n, offs_d, kv_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False,
+            SOFTCAP, ALIBI, MASK, DROPOUT)
     if PIPELINE_QK:
         if full_end > full_start:
             acc, row_sum, row_max = _attend_kv_blocks_pipelined(
                 acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head,
-                stride_kn, stride_vn, offs_m, offs_n, offs_d, full_start, full_end, seqlen_k, lo, hi, qk_scale,
-                HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, FUSED_SCALE)
+                stride_kn, stride_vn, offs_m, offs_n, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi,
+                qk_scale, mods, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, FUSED_SCALE,
+                SOFTCAP, ALIBI, MASK, DROPOUT)
     else:
         acc, row_sum, row_max = _attend_kv_blocks(
             acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, full_start, full_end, seqlen_k, lo, hi, qk_scale,
+            offs_m, offs_n, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
             HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE,
-            WARP_SPECIALIZE)
+            WARP_SPECIALIZE, SOFTCAP, ALIBI, MASK, DROPOUT)
     acc, row_sum, row_max = _attend_kv_blocks(
         acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, full_end, kv_end, seqlen_k, lo, hi, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False)
+        offs_m, offs_n, offs_d, full_end, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False,
+        SOFTCAP, ALIBI, MASK, DROPOUT)
 
     # Rows that saw no key: output 0 and LSE -inf, never 0/0.
     seen = row_sum > 0.0
-    row_sum_safe = tl.where(seen, row_sum, 1.0)
-    out = acc / row_sum_safe[:, None]
-    lse = tl.where(seen, (row_max + tl.math.log2(row_sum_safe)) * LN_2, float("-inf"))
+    if SINKS:
+        # The sink joins the row's max and denominator: exp2(sink - top) of mass that goes nowhere.
+        sink = tl.load(Sinks + head.to(tl.int64) * stride_sh) * LOG2_E_CONSTEXPR
+        top = tl.maximum(row_max, sink)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        kept = tl.math.exp2(row_max - top)
+        total = row_sum * kept + tl.math.exp2(sink - top)
+        out = acc * tl.where(seen, kept / tl.where(seen, total, 1.0), 0.0)[:, None]
+        lse = tl.where(seen, (top + tl.math.log2(tl.where(seen, total, 1.0))) * LN_2, float("-inf"))
+    else:
+        row_sum_safe = tl.where(seen, row_sum, 1.0)
+        out = acc / row_sum_safe[:, None]
+        lse = tl.where(seen, (row_max + tl.math.log2(row_sum_safe)) * LN_2, float("-inf"))
+    if DROPOUT:
+        out = out * mods[9]  # 1 / (1 - p)
 
     if USE_TMA:
         o_desc.store([batch, head, m_block * BLOCK_M, 0],
@@ -234,16 +275,20 @@ def _m_block_of(tile, num_m_blocks, HAS_RIGHT: tl.constexpr):
 @triton.jit
 def attention_forward_kernel(
     Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc, CuSeqlensQ, CuSeqlensK, Tiles,
+    AlibiSlopes, Sinks, Mask, RngState,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
+    stride_ab, stride_ah, stride_sh, stride_mb, stride_mh, stride_mm, stride_mn,
     num_batch_heads, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
+    softcap_scale, dropout_threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, PIPELINE_QK: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, SINKS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     if VARLEN:
         # Packed sequences: Q is (1, Hq, total_q, D), seqlen_q/seqlen_k are the packed totals and
@@ -255,16 +300,19 @@ def attention_forward_kernel(
             q_start, seqlen_q_seq, k_start, seqlen_k_seq = packed_spans(CuSeqlensQ, CuSeqlensK, seq, seqlen_q,
                                                                         seqlen_k)
             offset = seqlen_k_seq - seqlen_q_seq
+            mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm,
+                              stride_mn, softcap_scale, dropout_threshold, dropout_scale, seq, head,
+                              head * seqlen_q + q_start, seqlen_k, ALIBI, MASK, DROPOUT)
             _forward_tile(
-                Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+                Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc, Sinks,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
-                stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
+                stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_sh,
                 seq, head, m_block, q_start, k_start,  # batch strides are 0
-                group_size, seqlen_q_seq, seqlen_k_seq, lo + offset, hi + offset, qk_scale,
+                group_size, seqlen_q_seq, seqlen_k_seq, lo + offset, hi + offset, qk_scale, mods,
                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
-                False, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE)
+                False, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE, SOFTCAP, ALIBI, MASK, SINKS, DROPOUT)
     else:
         # Tile t covers query block t % num_m_blocks of (batch, head) t // num_m_blocks: the query
         # blocks of one head are adjacent so that they share K/V in L2. Causal blocks run longest
@@ -273,26 +321,35 @@ def attention_forward_kernel(
         if PERSISTENT:
             for tile in range(tl.program_id(0), num_m_blocks * num_batch_heads, tl.num_programs(0)):
                 batch_head = tile // num_m_blocks
+                m_block = _m_block_of(tile, num_m_blocks, HAS_RIGHT)
+                mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh,
+                                  stride_mm, stride_mn, softcap_scale, dropout_threshold, dropout_scale,
+                                  batch_head // num_q_heads, batch_head % num_q_heads, batch_head * seqlen_q,
+                                  seqlen_k, ALIBI, MASK, DROPOUT)
                 _forward_tile(
-                    Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+                    Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc, Sinks,
                     stride_qb, stride_qh, stride_qm, stride_qd,
                     stride_kb, stride_kh, stride_kn, stride_kd,
                     stride_vb, stride_vh, stride_vn, stride_vd,
-                    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
-                    batch_head // num_q_heads, batch_head % num_q_heads, _m_block_of(tile, num_m_blocks, HAS_RIGHT),
-                    0, 0, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
+                    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_sh,
+                    batch_head // num_q_heads, batch_head % num_q_heads, m_block,
+                    0, 0, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
                     HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
-                    USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE)
+                    USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE, SOFTCAP, ALIBI, MASK, SINKS, DROPOUT)
         else:
             tile = tl.program_id(0)
             batch_head = tile // num_m_blocks
+            m_block = _m_block_of(tile, num_m_blocks, HAS_RIGHT)
+            mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm,
+                              stride_mn, softcap_scale, dropout_threshold, dropout_scale, batch_head // num_q_heads,
+                              batch_head % num_q_heads, batch_head * seqlen_q, seqlen_k, ALIBI, MASK, DROPOUT)
             _forward_tile(
-                Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc,
+                Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc, Sinks,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
-                stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh,
-                batch_head // num_q_heads, batch_head % num_q_heads, _m_block_of(tile, num_m_blocks, HAS_RIGHT),
-                0, 0, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
+                stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_sh,
+                batch_head // num_q_heads, batch_head % num_q_heads, m_block,
+                0, 0, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
                 HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
-                USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE)
+                USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE, SOFTCAP, ALIBI, MASK, SINKS, DROPOUT)

@@ -15,7 +15,8 @@ a load or a store outside the cache (block table entries are trusted).
 tile (packed query-row major, so a tile spans few query positions), the keys are cut into chunks
 of whole blocks, one program per (batch and KV head, chunk, packed block). With one chunk it
 writes the output itself; otherwise each chunk writes a float32 partial output and its log2 LSE,
-merged by :func:`fmha.backends.triton.split_kv.split_kv_combine_kernel`. Chunks past a
+and the last chunk of a tile to finish merges them in chunk order
+(:func:`fmha.backends.triton.split_kv.merge_chunks`), in the same launch. Chunks past a
 sequence's length run no blocks. New keys and values (``APPEND``) are written by one program per
 sequence and KV head, at positions ``cache_seqlens_b + t`` and nowhere else; the programs read
 those keys from the new rows rather than from the cache, so the append costs no second launch.
@@ -34,8 +35,9 @@ import triton
 import triton.language as tl
 
 from .common import load_rows
-from .forward import LN_2, _softmax_update
-from .masking import key_blocks
+from .forward import LN_2
+from .masking import key_blocks, visible
+from .split_kv import merge_chunks
 
 # New rows written per step of the append (decode appends one): small, so that rotating them does
 # not raise the kernel's registers and spill.
@@ -156,6 +158,33 @@ def _load_block(cache_head, stride_cb, stride_cn, stride_cd, major, minor, new_r
 
 
 @triton.jit
+def _softmax_step(acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_k, lo, hi, qk_scale,
+                  MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  FUSED_SCALE: tl.constexpr):
+    """Fold one key block (``raw_scores`` = Q·Kᵀ unscaled [M, N], ``v`` [N, D]) into the running
+    max and sum (log2 units) and the accumulator: the forward's online softmax without its score
+    features, kept here so that this kernel and the forward change apart."""
+    scores = raw_scores if FUSED_SCALE else raw_scores * qk_scale
+    if MASKED:
+        seen = visible(rows[:, None], keys[None, :], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
+        scores = tl.where(seen, scores, float("-inf"))
+    if FUSED_SCALE:  # the scale folded into the exponent (scale > 0)
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
+    else:
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+    # A row that has seen no key keeps max -inf: subtracting 0 gives exp2(-inf) = 0, not NaN.
+    new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max) if MASKED else new_max
+    if FUSED_SCALE:
+        probs = tl.math.exp2(scores * qk_scale - new_max_safe[:, None])
+    else:
+        probs = tl.math.exp2(scores - new_max_safe[:, None])
+    rescale = tl.math.exp2(row_max - new_max_safe)
+    row_sum = row_sum * rescale + tl.sum(probs, 1)
+    acc = tl.dot(probs.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
+    return acc, row_sum, new_max
+
+
+@triton.jit
 def _attend_cache_blocks(
     acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
     stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt, stride_vnd,
@@ -184,15 +213,14 @@ def _attend_cache_blocks(
                         stride_sin_row, stride_sin_d, rotary_rows, HEAD_DIM, BLOCK_D, MASKED, MERGED, 0, False)
         if DOT_FP32:
             v = v.to(tl.float32)
-        acc, row_sum, row_max = _softmax_update(
-            acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_k, lo, hi, qk_scale,
-            MASKED, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, FUSED_SCALE)
+        acc, row_sum, row_max = _softmax_step(acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_k, lo, hi,
+                                              qk_scale, MASKED, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, FUSED_SCALE)
     return acc, row_sum, row_max
 
 
 @triton.jit(do_not_specialize=["cache_seqlen"])
 def kvcache_attention_kernel(
-    Q, KCache, VCache, KNew, VNew, Out, Lse, PartialOut, PartialLse,
+    Q, KCache, VCache, KNew, VNew, Out, Lse, PartialOut, PartialLse, Arrivals,
     CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Cos, Sin, cache_seqlen,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -214,8 +242,13 @@ def kvcache_attention_kernel(
     ``APPEND``: the program of chunk 0 and packed block 0 writes the sequence's new rows into the
     cache (for its KV head), and every program reads the keys at or past ``cache_seqlens_b`` from
     the new rows, so no program waits for another.
-    ``SPLIT``: ``PartialOut[split, b, h, i]`` and ``PartialLse`` (log2 units), rows (b, h, i)
-    flattened as in the combine kernel; else ``Out`` (B, Sq, Hq, D) and ``Lse`` (B, Hq, Sq).
+    ``SPLIT``: each chunk writes ``PartialOut[split, b, h, i]`` and ``PartialLse`` (log2 units),
+    rows (b, h, i) flattened, then counts itself in ``Arrivals[program_id(0), program_id(2)]``
+    (int32, zero before the launch); the last chunk of the tile to arrive merges all of them in
+    chunk order into ``Out`` and ``Lse`` and sets its counter back to zero (so the next launch, a
+    CUDA graph's replay included, finds zeros). The merge reads only the stored partials in a fixed
+    order, so the result does not depend on which chunk is last. Else ``Out`` (B, Sq, Hq, D) and
+    ``Lse`` (B, Hq, Sq) directly.
     """
     batch = tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
@@ -312,11 +345,22 @@ def kvcache_attention_kernel(
     out = acc / row_sum_safe[:, None]
     lse = tl.where(seen, row_max + tl.math.log2(row_sum_safe), float("-inf"))
     index = (batch * num_kv_heads * group_size + heads).to(tl.int64) * seqlen_q + rows  # (b, h, i) flattened
+    o_rows = Out + batch.to(tl.int64) * stride_ob + rows.to(tl.int64) * stride_om + heads.to(tl.int64) * stride_oh
     if SPLIT:
-        index += split.to(tl.int64) * num_rows
-        tl.store(PartialOut + index[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
-        tl.store(PartialLse + index, lse, mask=in_range)
+        partial = index + split.to(tl.int64) * num_rows
+        tl.store(PartialOut + partial[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
+        tl.store(PartialLse + partial, lse, mask=in_range)
+        # Every thread's stores come before the count (a CTA barrier, then a release at GPU scope);
+        # the count's acquire comes before the merge's loads, which bypass the L1.
+        tl.debug_barrier()
+        counter = Arrivals + tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            tl.store(counter, 0)
+            merged, merged_lse = merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, tl.num_programs(1),
+                                              offs_d, HEAD_DIM, ".cg")
+            tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, merged.to(Out.dtype.element_ty), mask=q_mask)
+            tl.store(Lse + index, merged_lse, mask=in_range)
     else:
-        o_rows = Out + batch.to(tl.int64) * stride_ob + rows.to(tl.int64) * stride_om + heads.to(tl.int64) * stride_oh
         tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty), mask=q_mask)
         tl.store(Lse + index, tl.where(seen, lse * LN_2, float("-inf")), mask=in_range)

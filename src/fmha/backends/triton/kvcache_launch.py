@@ -18,8 +18,7 @@ from ...runtime import INTERPRETED, interpreter_upcasts, run_compiled
 from .config import KVCacheConfig, padded_head_dim
 from .forward import LOG2_E
 from .kvcache import kvcache_attention_kernel
-from .launch import SPLIT_KV_COMBINE_ROWS, dot_precision
-from .split_kv import split_kv_combine_kernel
+from .launch import dot_precision
 
 
 class _Launch:
@@ -63,7 +62,7 @@ class KVCacheForward:
     float32. Tensors come in FlashAttention's order; ``cache_seqlen`` is the int form of
     cache_seqlens (ignored when it is a tensor)."""
 
-    __slots__ = ("params", "config", "chunk", "splits", "attend_launch", "combine_launch", "device_index",
+    __slots__ = ("params", "config", "chunk", "splits", "attend_launch", "arrivals", "device_index",
                  "out_shape", "lse_shape", "partial_out_shape", "partial_lse_shape", "skip")
 
     def __init__(self, params: KVCacheParams, config: KVCacheConfig):
@@ -93,12 +92,10 @@ class KVCacheForward:
                  SPLIT=self.splits > 1, DOT_PRECISION=dot_precision(p.dtype), FUSED_SCALE=p.scale > 0,
                  DOT_FP32=interpreter_upcasts(p.dtype)),
             config.num_warps, config.num_stages)
-        self.combine_launch = _Launch(
-            split_kv_combine_kernel, (-(-num_rows // SPLIT_KV_COMBINE_ROWS), 1, 1),
-            dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS), 4, 1)
-        # The output is a new contiguous (B, Sq, Hq, D) tensor; the combine kernel takes (b, h, i, d) strides.
-        self.combine_launch.fixed = (p.seqlen_q * p.q_heads * p.head_dim, p.head_dim, p.q_heads * p.head_dim, 1,
-                                     num_rows, p.q_heads, p.seqlen_q, self.splits)
+        # Split: one arrival counter per (batch and KV head, packed block), zeros between launches
+        # (the last chunk to arrive resets its own); made by the first call. Shared by the calls of
+        # this signature: two of them running at once on different streams would mix their counts.
+        self.arrivals = None
 
     def _prepare(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table):
         """The first call's strides (fixed by the signature) join the integer arguments."""
@@ -132,11 +129,15 @@ class KVCacheForward:
     def _launch(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
                 cache_batch_idx, cache_leftpad, block_table, out, lse):
         if self.splits == 1:
-            self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, None, None, cache_seqlens,
+            self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, None, None, None, cache_seqlens,
                                cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, cache_seqlen)
             return
+        if self.arrivals is None:
+            self.arrivals = torch.zeros(self.attend_launch.grid[0] * self.attend_launch.grid[2], device=q.device,
+                                        dtype=torch.int32)
         partial_out = torch.empty(self.partial_out_shape, device=q.device, dtype=torch.float32)
         partial_lse = torch.empty(self.partial_lse_shape, device=q.device, dtype=torch.float32)
-        self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, partial_out, partial_lse, cache_seqlens,
-                           cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, cache_seqlen)
-        self.combine_launch(q.device, partial_out, partial_lse, out, lse)
+        # One launch: the last chunk of each tile merges the chunks (fmha.backends.triton.kvcache).
+        self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, partial_out, partial_lse, self.arrivals,
+                           cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
+                           cache_seqlen)

@@ -14,11 +14,12 @@ import torch
 import triton
 
 from ...compat import COMPILE_OPTIONS
-from ...params import AttentionParams
+from ...params import NO_SCORE_TENSORS, AttentionParams, ScoreTensors
 from ...runtime import INTERPRETED, TensorDescriptor, multiprocessors, run_compiled
-from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel
+from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel, sinks_grad_kernel
 from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatures, SplitKVConfig, padded_head_dim
 from .forward import LOG2_E, attention_forward_kernel
+from .scores import BOOL_MASK, FLOAT_MASK, NO_MASK, dropout_mask_kernel
 from .split_kv import attention_split_kv_kernel, split_kv_combine_kernel
 from .varlen import varlen_schedule_kernel
 
@@ -38,6 +39,67 @@ def window_bounds(params: AttentionParams) -> tuple[bool, bool, int, int]:
     has_left, has_right = options.window_left is not None, options.window_right is not None
     return (has_left, has_right, offset - options.window_left if has_left else 0,
             offset + options.window_right if has_right else 0)
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """A word of 32 random bits >= this keeps its probability: P(keep) = 1 - p (to 2^-32)."""
+    return min(int(dropout_p * 2.0 ** 32), 2 ** 32 - 1)
+
+
+def dropout_keep_mask(rng_state: torch.Tensor, rows: int, keys: int, dropout_p: float) -> torch.Tensor:
+    """The (rows, keys) bool pattern the kernels keep for the philox key ``rng_state`` (a testing aid).
+
+    Rows are numbered as the kernels number them: (batch, head, row) flattened for dense calls, so
+    the pattern is ``.view(B, Hq, Sq, Sk)``; (head, packed token) for packed sequences, with keys
+    the packed total: ``.view(Hq, total_q, total_k)``, sequence b's keys counted from its start.
+    """
+    keep = torch.empty((rows, keys), dtype=torch.bool, device=rng_state.device)
+    if keep.numel() == 0:
+        return keep
+    block = 16
+    dropout_mask_kernel[(triton.cdiv(rows, block), triton.cdiv(keys, block))](
+        rng_state, keep, rows, keys, dropout_threshold(dropout_p), BLOCK_M=block, BLOCK_N=block, **COMPILE_OPTIONS)
+    return keep
+
+
+class ScoreLaunch:
+    """The score features' kernel arguments for one call signature (fmha.backends.triton.scores).
+
+    ``constants``: the SOFTCAP, ALIBI, MASK, SINKS and DROPOUT constexprs; ``scalars``: qk_scale
+    (``scale / softcap`` with a softcap, else ``scale · log2 e``), softcap_scale, dropout_threshold and
+    dropout_scale. :meth:`tensors` gives a call's pointers and strides, and the key of what Triton
+    specialises on them (a compiled kernel is reused only for the same key).
+    """
+
+    __slots__ = ("constants", "scalars", "fused_scale_ok")
+
+    def __init__(self, params: AttentionParams):
+        options = params.options
+        softcap, p = options.softcap, options.dropout_p
+        mask = {"": NO_MASK, "bool": BOOL_MASK}.get(options.attn_mask_kind, FLOAT_MASK)
+        self.constants = dict(SOFTCAP=softcap > 0, ALIBI=options.has_alibi, MASK=mask, SINKS=options.has_sinks,
+                              DROPOUT=p > 0)
+        qk_scale = options.scale / softcap if softcap > 0 else options.scale * LOG2_E
+        # p = 1 drops everything through dropout_scale = 0 (no 1/0).
+        self.scalars = (qk_scale, softcap * LOG2_E, dropout_threshold(p), 1.0 / (1.0 - p) if p < 1.0 else 0.0)
+        self.fused_scale_ok = not options.scores_modified
+
+    @staticmethod
+    def tensors(scores: ScoreTensors) -> tuple[tuple, tuple[int, ...], tuple]:
+        """``(pointers, strides, key)``: AlibiSlopes, Sinks, Mask, RngState; stride_ab, stride_ah,
+        stride_sh, stride_mb, stride_mh, stride_mm, stride_mn (0 for what is off)."""
+        alibi, sinks, mask = scores.alibi_slopes, scores.sinks, scores.attn_mask
+        strides = [0] * 7
+        if alibi is not None:
+            strides[0:2] = alibi.stride() if alibi.ndim == 2 else (0, alibi.stride(0))
+        if sinks is not None:
+            strides[2] = sinks.stride(0)
+        if mask is not None:
+            strides[3:7] = mask.stride()
+        pointers = (alibi, sinks, mask, scores.rng_state)
+        key = (tuple(strides), tuple(t is None or t.data_ptr() % 16 == 0 for t in pointers),
+               None if mask is None else mask.dtype)
+        return pointers, tuple(strides), key
 
 
 def tma_compatible(tensor: torch.Tensor) -> bool:
@@ -109,11 +171,12 @@ class PortableForward:
 
     Calling it writes ``out`` and ``lse``; it returns Triton's compiled kernel (None under the
     interpreter), for resource reports. Packed sequences (varlen) also pass ``cu_seqlens_q`` and
-    ``cu_seqlens_k``, and a tile list is made before each launch.
+    ``cu_seqlens_k``, and a tile list is made before each launch; score features pass their
+    tensors as ``scores``.
     """
 
-    __slots__ = ("params", "config", "features", "constants", "grid", "qk_scale", "window", "compiled", "integers",
-                 "tile_list")
+    __slots__ = ("params", "config", "features", "constants", "grid", "scores", "window", "compiled", "integers",
+                 "tile_list", "score_key")
 
     def __init__(self, params: AttentionParams, config: ForwardConfig, features: KernelFeatures = DEFAULT_FEATURES):
         has_left, has_right, lo, hi = window_bounds(params)
@@ -124,14 +187,14 @@ class PortableForward:
                                       warp_specialize=features.warp_specialize)
         self.params, self.config, self.features = params, config, features
         self.window = (lo, hi)
-        self.qk_scale = scale * LOG2_E
+        self.scores = ScoreLaunch(params)
         self.constants = dict(
             HEAD_DIM=params.head_dim, BLOCK_D=padded_head_dim(params.head_dim),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(params.dtype),
-            USE_TMA=False, FUSED_SCALE=features.fused_scale and scale > 0,
+            USE_TMA=False, FUSED_SCALE=features.fused_scale and scale > 0 and self.scores.fused_scale_ok,
             PIPELINE_QK=features.pipeline_qk, WARP_SPECIALIZE=features.warp_specialize,
-            PERSISTENT=features.persistent, VARLEN=varlen,
+            PERSISTENT=features.persistent, VARLEN=varlen, **self.scores.constants,
         )
         if varlen:
             self.tile_list = TileList(params.batch, params.total_q, config.block_m, from_end=False)
@@ -142,23 +205,28 @@ class PortableForward:
             self.grid = min(num_tiles, multiprocessors(params.device)) if features.persistent else num_tiles
         self.compiled = None
         self.integers = None
+        self.score_key = None
 
-    def _integers(self, q, k, v, out, lse) -> tuple:
+    def _integers(self, q, k, v, out, lse) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(the tensors' strides, the sizes and window): the arguments before and after the score strides."""
         p = self.params
         if p.varlen:
-            return (*packed_strides(q), *packed_strides(k), *packed_strides(v), *packed_strides(out),
-                    0, lse.stride(0), p.batch * p.q_heads, p.q_heads, p.group, p.total_q, p.total_k, *self.window)
-        return (*q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
-                p.batch * p.q_heads, p.q_heads, p.group, p.seqlen_q, p.seqlen_k, *self.window)
+            return ((*packed_strides(q), *packed_strides(k), *packed_strides(v), *packed_strides(out),
+                     0, lse.stride(0)), (p.batch * p.q_heads, p.q_heads, p.group, p.total_q, p.total_k, *self.window))
+        return ((*q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1)),
+                (p.batch * p.q_heads, p.q_heads, p.group, p.seqlen_q, p.seqlen_k, *self.window))
 
-    def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
+    def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, scores=NO_SCORE_TENSORS):
         if self.integers is None:
             self.integers = self._integers(q, k, v, out, lse)
+        strides, sizes = self.integers
         tiles = None if self.tile_list is None else self.tile_list(cu_seqlens_q)
-        if self.compiled is not None:
+        score_pointers, score_strides, score_key = ScoreLaunch.tensors(scores)
+        if self.compiled is not None and score_key == self.score_key:
             run_compiled(self.compiled, self.grid, q.device,
                          (q, k, v, out, lse, None, None, None, None, cu_seqlens_q, cu_seqlens_k, tiles,
-                          *self.integers, self.qk_scale, *self.constants.values()))
+                          *score_pointers, *strides, *score_strides, *sizes, *self.scores.scalars,
+                          *self.constants.values()))
             return self.compiled
         constants = self.constants
         descriptors = (None, None, None, None)
@@ -170,13 +238,15 @@ class PortableForward:
                            _descriptor(v, block_n, block_d), _descriptor(out, block_m, block_d))
             constants = {**constants, "USE_TMA": True}
         compiled = attention_forward_kernel[(self.grid,)](
-            q, k, v, out, lse, *descriptors, cu_seqlens_q, cu_seqlens_k, tiles, *self.integers, self.qk_scale,
+            q, k, v, out, lse, *descriptors, cu_seqlens_q, cu_seqlens_k, tiles, *score_pointers, *strides,
+            *score_strides, *sizes, *self.scores.scalars,
             **constants, num_warps=self.config.num_warps, num_stages=self.config.num_stages, **COMPILE_OPTIONS)
-        if not (INTERPRETED or use_tma):
+        if not (INTERPRETED or use_tma) and self.compiled is None:
             # Later calls of this signature launch it directly (same specialisation: the
-            # signature fixes every integer, and the pointers' 16-byte alignment is in its key).
+            # signature fixes every integer, and the pointers' 16-byte alignment is in its key;
+            # the score tensors' strides and alignment are checked per call).
             assert attention_forward_kernel.arg_names[-len(constants):] == list(constants)
-            self.compiled = compiled
+            self.compiled, self.score_key = compiled, score_key
         return compiled
 
 
@@ -239,8 +309,9 @@ def launch_forward(q, k, v, out, lse, params: AttentionParams, config: ForwardCo
 
 
 def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams, config: BackwardConfig,
-                    cu_seqlens_q=None, cu_seqlens_k=None) -> None:
-    """Writes dq, dk, dv (shapes and dtypes of q, k, v) from the forward's out and LSE.
+                    cu_seqlens_q=None, cu_seqlens_k=None, scores: ScoreTensors = NO_SCORE_TENSORS) -> None:
+    """Writes dq, dk, dv (shapes and dtypes of q, k, v) from the forward's out and LSE, and the sinks'
+    gradient into ``scores.sinks_grad`` when the call has sinks.
 
     Packed sequences (varlen) pass their cu_seqlens; the tensors are then (total, H, D).
     """
@@ -263,9 +334,19 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
         out, dout, delta, *out_strides, *dout_strides, num_q_heads, rows,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block, **COMPILE_OPTIONS,
     )
+    if scores.sinks is not None:  # the LSE counts the sinks: their gradient needs only it and delta
+        sinks_grad_kernel[(num_q_heads,)](
+            lse, delta, scores.sinks, scores.sinks_grad, *lse_strides, scores.sinks.stride(0), batch, rows,
+            BLOCK=preprocess_block * 16, **COMPILE_OPTIONS)
+    score_launch = ScoreLaunch(params)
+    (alibi, _, mask, rng_state), score_strides, _ = ScoreLaunch.tensors(scores)
+    stride_ab, stride_ah, _, *mask_strides = score_strides
+    qk_scale, softcap_scale, threshold, dropout_scale = score_launch.scalars
+    score_constants = dict(score_launch.constants)
+    del score_constants["SINKS"]  # the LSE counts them: the backward kernels never see them
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-                  DOT_PRECISION=dot_precision(q.dtype), VARLEN=p.varlen, num_warps=config.num_warps,
-                  num_stages=config.num_stages, **COMPILE_OPTIONS)
+                  DOT_PRECISION=dot_precision(q.dtype), VARLEN=p.varlen, **score_constants,
+                  num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
     group_size = num_q_heads // num_kv_heads
     # Each kernel keeps block_n rows resident (keys for dK/dV, queries for dQ) and streams
     # block_m rows of the other side past them.
@@ -280,14 +361,19 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
         dkdv_grid = (triton.cdiv(keys, config.block_n), batch * num_kv_heads)
         dq_grid = (triton.cdiv(rows, config.block_n), batch * num_q_heads)
     backward_dkdv_kernel[dkdv_grid](
-        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, dkdv_tiles,
+        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, dkdv_tiles, alibi, mask, rng_state,
         *q_strides, *k_strides, *v_strides, *dout_strides, *dk_strides, *dv_strides, *lse_strides,
-        num_q_heads, num_kv_heads, group_size, rows, keys, lo, hi, scale, scale * LOG2_E,
+        stride_ab, stride_ah, *mask_strides,
+        num_q_heads, num_kv_heads, group_size, rows, keys, lo, hi, scale, qk_scale,
+        softcap_scale, threshold, dropout_scale,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, **common,
     )
     backward_dq_kernel[dq_grid](
-        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, dq_tiles,
+        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, dq_tiles, alibi, mask, rng_state,
         *q_strides, *k_strides, *v_strides, *dout_strides, *dq_strides, *lse_strides,
-        num_q_heads, group_size, rows, keys, lo, hi, scale, scale * LOG2_E,
+        stride_ab, stride_ah, *mask_strides,
+        num_q_heads, group_size, rows, keys, lo, hi, scale, qk_scale,
+        softcap_scale, threshold, dropout_scale,
         BLOCK_M=config.block_n, BLOCK_N=config.block_m, **common,
     )
+

@@ -21,6 +21,38 @@ import triton.language as tl
 from .common import load_rows
 from .forward import LN_2, _softmax_update
 from .masking import visible
+from .scores import NO_MASK
+
+
+@triton.jit
+def merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, num_splits, offs_d,
+                 HEAD_DIM: tl.constexpr, CACHE_MODIFIER: tl.constexpr):
+    """Rows ``index`` (flattened (batch, head, i)) merged over the chunks, one pass in chunk order
+    (a running max, as the forward's online softmax): the exact softmax over all keys,
+    ``(out [rows, BLOCK_D] f32, lse [rows] f32 natural log)``. A row that saw no key in any chunk
+    gets zeros and -inf. ``CACHE_MODIFIER`` ".cg" reads past the L1 (other programs of the same
+    launch wrote the partials)."""
+    mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
+    row_max = tl.full(index.shape, float("-inf"), dtype=tl.float32)
+    total = tl.zeros(index.shape, dtype=tl.float32)
+    acc = tl.zeros([index.shape[0], offs_d.shape[0]], dtype=tl.float32)
+    for split in range(num_splits):
+        rows = tl.cast(split, tl.int64) * num_rows + index
+        lse = tl.load(PartialLse + rows, mask=in_range, other=float("-inf"), cache_modifier=CACHE_MODIFIER)
+        part = tl.load(PartialOut + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
+                       cache_modifier=CACHE_MODIFIER)
+        new_max = tl.maximum(row_max, lse)
+        new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # exp2(-inf - 0) = 0, never NaN
+        rescale = tl.math.exp2(row_max - new_max_safe)
+        weight = tl.math.exp2(lse - new_max_safe)
+        total = total * rescale + weight
+        acc = acc * rescale[:, None] + weight[:, None] * part
+        row_max = new_max
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
+    lse = tl.where(seen, (max_safe + tl.math.log2(tl.where(seen, total, 1.0))) * LN_2, float("-inf"))
+    return out, lse
 
 
 @triton.jit
@@ -66,14 +98,16 @@ def attention_split_kv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # Score features are off here (fmha.backends.triton.config.split_kv_config): no score modifiers.
     for start_n in range(kv_start, kv_end, BLOCK_N):
         keys = start_n + offs_n
         k = load_rows(k_ptrs + start_n * stride_kn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         raw_scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         v = load_rows(v_ptrs + start_n * stride_vn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         acc, row_sum, row_max = _softmax_update(
-            acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_k, lo, hi, qk_scale,
-            True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, False)
+            acc, row_sum, row_max, raw_scores, v, start_n, keys, rows, seqlen_q, seqlen_k, lo, hi, qk_scale,
+            (0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0), True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, False,
+            False, False, NO_MASK, False)
 
     seen = row_sum > 0.0
     row_sum_safe = tl.where(seen, row_sum, 1.0)
@@ -97,25 +131,7 @@ def split_kv_combine_kernel(
     in_range = index < num_rows
     offs_d = tl.arange(0, BLOCK_D)
     mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
-
-    row_max = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
-    for split in range(num_splits):
-        lse = tl.load(PartialLse + split * num_rows + index, mask=in_range, other=float("-inf"))
-        row_max = tl.maximum(row_max, lse)
-    max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
-    total = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
-    for split in range(num_splits):
-        weight = tl.math.exp2(tl.load(PartialLse + split * num_rows + index, mask=in_range,
-                                      other=float("-inf")) - max_safe)
-        part = tl.load(PartialOut + (split * num_rows + index)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-                       mask=mask, other=0.0)
-        total += weight
-        acc += weight[:, None] * part
-
-    seen = total > 0.0
-    out = acc / tl.where(seen, total, 1.0)[:, None]
-    lse = tl.where(seen, (max_safe + tl.math.log2(tl.where(seen, total, 1.0))) * LN_2, float("-inf"))
+    out, lse = merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, num_splits, offs_d, HEAD_DIM, "")
     batch = index // (num_q_heads * seqlen_q)
     head = index // seqlen_q % num_q_heads
     row = index % seqlen_q

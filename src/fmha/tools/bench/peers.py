@@ -142,21 +142,26 @@ def _fmha_varlen(case, q, k, v):
     from fmha import dispatch
     from fmha.params import varlen_params
 
-    if case.sinks:
-        raise Unsupported("fmha's varlen functions take no sinks (FlashAttention-2's signature)")
     cu = cu_seqlens(case, q.device)
     longest = case.seqlen_q
+    scores = score_inputs(case, q.device, requires_grad=q.requires_grad)
     options = dict(causal=case.causal, window_size=fa_window(case), softcap=case.softcap, dropout_p=case.dropout,
-                   alibi_slopes=score_inputs(case, q.device).get("alibi_slopes"))
+                   alibi_slopes=scores.get("alibi_slopes"))
     # What the call runs, as fmha.explain says for dense calls; refuses (NotImplementedError) what is not there yet.
     params = varlen_params("fmha bench", q, k, v, cu, cu, longest, longest, causal=case.causal, window=case.window,
                            softcap=case.softcap or None, alibi_slopes=options["alibi_slopes"],
-                           dropout_p=case.dropout)
+                           sinks=scores.get("sinks"), dropout_p=case.dropout)
     explanation = dispatch.prepared_forward(params, q, k, v, cu, cu).explanation
     kernel = _kernel(explanation.backend, explanation.config, explanation.source)
     if case.mode != "fwd":
         backward, source = dispatch.BACKWARD_BACKEND.backward_config(params)
         kernel["backward"] = f"triton {backward} (from {source})"
+    if case.sinks:  # FlashAttention-2's signature has no sinks: fmha's own varlen entry point
+        return Prepared(lambda: fmha.varlen_attention(q, k, v, cu, cu, longest, longest, causal=case.causal,
+                                                      window=case.window, softcap=case.softcap or None,
+                                                      alibi_slopes=options["alibi_slopes"], sinks=scores["sinks"],
+                                                      dropout_p=case.dropout),
+                        (q, k, v, scores["sinks"]), kernel)
     return Prepared(lambda: fmha.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, **options), (q, k, v),
                     kernel)
 

@@ -1,0 +1,123 @@
+"""What each score becomes, in Triton: the helpers the forward and both backward kernels share.
+
+The design's order of operations, in log2 units (natural-log score · log2 e, so the softmax runs
+on ``exp2``):
+
+1. ``scale · q·kᵀ``;
+2. softcap: ``softcap · tanh(s / softcap)``;
+3. bias: ALiBi's ``-slope_h · |pos(i) - j|`` with ``pos(i) = i + Sk - Sq``, and SDPA's float attn_mask;
+4. masking: the key window (:mod:`fmha.backends.triton.masking`, applied by the callers) and SDPA's
+   bool attn_mask (False hides the key);
+5. softmax (the sink term is added where each row is normalised: the forward's last step);
+6. dropout on P: :func:`dropout_keep`, counter-based bits regenerated identically by the backward.
+
+Every feature is a constexpr switch: with all of them off, :func:`score_tile` is the multiply the
+kernels always had, and the dense kernels compile to the same instructions.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
+TWO_LOG2_E: tl.constexpr = tl.constexpr(2.8853900817779268)
+
+# SDPA's attn_mask, the MASK constexpr.
+NO_MASK: tl.constexpr = tl.constexpr(0)
+BOOL_MASK: tl.constexpr = tl.constexpr(1)
+FLOAT_MASK: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def tanh(x):
+    """``1 - 2 / (exp(2x) + 1)``: one exp2 and one fast division, exact at both tails (±1, never NaN)."""
+    return 1.0 - tl.fdiv(2.0, tl.math.exp2(x * TWO_LOG2_E) + 1.0)
+
+
+@triton.jit
+def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slope, mask_ptr, stride_mm, stride_mn,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr):
+    """``(scores, capped)`` of one tile: the scores in log2 units, and ``tanh(·)`` of the softcap
+    (whose derivative ``1 - capped²`` the backward needs; ``raw`` when SOFTCAP is off).
+
+    ``raw`` is Q·Kᵀ; ``rows`` and ``keys`` are integer tiles that broadcast to its shape ([M, 1] and
+    [1, N], or [1, M] and [N, 1] for a transposed tile). ``qk_scale`` is ``scale · log2 e``, or
+    ``scale / softcap`` with SOFTCAP, whose result is multiplied by ``softcap_scale = softcap · log2 e``;
+    ``slope`` is the head's ALiBi slope · log2 e; ``mask_ptr`` points at the (batch, head)'s attn_mask.
+    """
+    if SOFTCAP:
+        capped = tanh(raw * qk_scale)
+        scores = capped * softcap_scale
+    else:
+        capped = raw
+        scores = raw * qk_scale
+    if ALIBI:
+        scores -= slope * tl.abs(rows + (seqlen_k - seqlen_q) - keys).to(tl.float32)
+    if MASK != NO_MASK:
+        in_range = (rows < seqlen_q) & (keys < seqlen_k)
+        ptrs = mask_ptr + rows.to(tl.int64) * stride_mm + keys.to(tl.int64) * stride_mn
+        if MASK == BOOL_MASK:
+            allowed = tl.load(ptrs, mask=in_range, other=0)
+            scores = tl.where(allowed != 0, scores, float("-inf"))
+        else:
+            bias = tl.load(ptrs, mask=in_range, other=0.0)
+            scores += bias.to(tl.float32) * LOG2_E
+    return scores, capped
+
+
+@triton.jit
+def dropout_keep(seed, row_counters, first_key, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool tile: which probabilities of keys [first_key, first_key + BLOCK_N) survive dropout.
+
+    Philox (key ``seed``) gives four 32-bit words per counter: key j of a row uses word j % 4 of
+    counter ``row_counters[row] + j // 4``, so a score's bits depend on its (row, key) alone and the
+    backward, whatever its tiles, regenerates the forward's. A word >= ``threshold`` (about
+    ``dropout_p · 2³²``) keeps its score. ``first_key`` is a multiple of 4.
+    """
+    groups = (first_key // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.int64)
+    counters = row_counters[:, None] + groups[None, :]  # [BLOCK_M, BLOCK_N // 4]
+    bits0, bits1, bits2, bits3 = tl.randint4x(seed, counters)
+    bits = tl.join(tl.join(bits0, bits1), tl.join(bits2, bits3)).reshape(BLOCK_M, BLOCK_N)
+    return bits.to(tl.uint32, bitcast=True) >= threshold.to(tl.uint32)
+
+
+@triton.jit
+def score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
+               softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row, keys_per_row,
+               ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr):
+    """What the score features of one (batch, head) need at run time, as one tuple: ``(softcap_scale,
+    slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, dropout_threshold, dropout_scale)``.
+
+    Dropout gives every (row, key) of the call its own counter: ``rng_row`` numbers row 0 of this
+    (batch, head) among all rows of the call, ``keys_per_row`` bounds every row's keys (Sk, or the
+    packed total), and key j of row i uses counter ``(rng_row + i) * rng_groups + j // 4`` with
+    ``rng_groups = ceil(keys_per_row / 4)`` (:func:`dropout_keep`). A switched-off feature's values are
+    placeholders that are never read.
+    """
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(AlibiSlopes + batch.to(tl.int64) * stride_ab + head.to(tl.int64) * stride_ah) * LOG2_E
+    mask_ptr = 0  # (a returned tuple cannot hold None)
+    if MASK != NO_MASK:
+        mask_ptr = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+    seed = 0
+    rng_groups = 0
+    if DROPOUT:
+        seed = tl.load(RngState)
+        rng_row = tl.cast(rng_row, tl.int64)
+        rng_groups = tl.cast(tl.cdiv(keys_per_row, 4), tl.int64)
+    return (softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, dropout_threshold,
+            dropout_scale)
+
+
+@triton.jit
+def dropout_mask_kernel(RngState, Keep, num_rows, keys_per_row, threshold,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``Keep[r, j]``: whether the attention kernels keep key j of counter row r (a testing aid: the
+    kernels themselves never write the pattern). Rows are numbered as :func:`score_mods` numbers them."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    first_key = tl.program_id(1) * BLOCK_N
+    keys = first_key + tl.arange(0, BLOCK_N)
+    row_counters = rows.to(tl.int64) * tl.cast(tl.cdiv(keys_per_row, 4), tl.int64)
+    keep = dropout_keep(tl.load(RngState), row_counters, first_key, threshold, BLOCK_M, BLOCK_N)
+    tl.store(Keep + rows.to(tl.int64)[:, None] * keys_per_row + keys[None, :], keep,
+             mask=(rows[:, None] < num_rows) & (keys[None, :] < keys_per_row))

@@ -1,0 +1,182 @@
+"""Score features on the GPU (marker ``gpu``): softcap, ALiBi, sinks, dropout and SDPA's attn_mask,
+forward and backward in bf16 against float64 (the project's error rule), dropout's reproducibility
+and CUDA graphs, and torch.compile."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fmha
+from fmha import ops
+from fmha.backends.triton.launch import dropout_keep_mask
+
+from .helpers import assert_close_to_reference, assert_grads_close, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+Q_HEADS, KV_HEADS = 8, 2
+LENGTHS = [(1000, 1000), (1500, 500)]
+
+
+def inputs(seqlen_q, seqlen_k, head_dim, seed, dtype=torch.bfloat16, grad=False):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = random_qkv(2, Q_HEADS, KV_HEADS, seqlen_q, seqlen_k, head_dim, dtype, device="cuda",
+                         generator=generator)
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def feature_kwargs(name):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    slopes = torch.exp2(-8.0 * torch.arange(1, Q_HEADS + 1, device="cuda") / Q_HEADS)  # the usual geometric slopes
+    sinks = torch.randn(Q_HEADS, device="cuda", generator=generator)
+    return {"softcap": dict(softcap=30.0), "softcap_small": dict(softcap=2.0), "alibi": dict(alibi_slopes=slopes),
+            "alibi_batched": dict(alibi_slopes=slopes * torch.rand(2, 1, device="cuda", generator=generator)),
+            "sinks": dict(sinks=sinks), "all": dict(softcap=20.0, alibi_slopes=slopes, sinks=sinks)}[name]
+
+
+FEATURES = ["softcap", "softcap_small", "alibi_batched", "sinks", "all"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", LENGTHS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", FEATURES)
+def test_features_forward_and_backward_gpu(name, head_dim, seqlen_q, seqlen_k, causal):
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((name, head_dim, seqlen_q, causal)) % 2**31, grad=True)
+    kwargs = feature_kwargs(name)
+    leaves = (q, k, v)
+    if "sinks" in kwargs:
+        kwargs["sinks"] = kwargs["sinks"].clone().requires_grad_()
+        leaves += (kwargs["sinks"],)
+    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
+    offset = dict(causal_offset=seqlen_k - seqlen_q) if causal else {}
+    constants = {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), lse=lse, atol=1e-5, **offset,
+                              **constants)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert_grads_close(grads, q, k, v, dout, **offset, **kwargs)
+
+
+@pytest.mark.parametrize("window", [(255, 0), (100, 100)], ids=lambda window: f"left{window[0]}-right{window[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_features_with_windows_and_packed_sequences_gpu(head_dim, window):
+    q, k, v = inputs(1200, 1200, head_dim, 3, grad=True)
+    kwargs = feature_kwargs("all")
+    out = fmha.attention(q, k, v, window=window, **kwargs)
+    from fmha.masking import Window
+
+    visible = Window.of(1200, 1200, left=window[0], right=window[1])
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), window=visible, atol=1e-5, **kwargs)
+    dout = torch.randn_like(out)
+    assert_grads_close(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, window=visible, **kwargs)
+    # packed: the same two sequences as one THD batch give the dense results
+    packed = [t.detach().transpose(1, 2).reshape(-1, t.shape[1], head_dim) for t in (q, k, v)]
+    cu = torch.tensor([0, 1200, 2400], dtype=torch.int32, device="cuda")
+    out_packed = fmha.varlen_attention(*packed, cu, cu, 1200, 1200, window=window, **kwargs)
+    torch.testing.assert_close(out_packed.view(2, 1200, Q_HEADS, head_dim).transpose(1, 2), out.detach(),
+                               atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_matches_float64_with_the_kernels_pattern_gpu(causal, head_dim):
+    q, k, v = inputs(700, 900, head_dim, 5, grad=True)
+    generator = torch.Generator(device="cuda").manual_seed(17)
+    out = fmha.attention(q, k, v, causal=causal, dropout_p=0.15, generator=generator)
+    generator.manual_seed(17)
+    keep = dropout_keep_mask(ops.dropout_seed(generator, q.device), 2 * Q_HEADS * 700, 900, 0.15)
+    keep = keep.view(2, Q_HEADS, 700, 900)
+    assert abs(keep.float().mean().item() - 0.85) < 0.002
+    offset = dict(causal_offset=200) if causal else {}
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), atol=1e-5, dropout_p=0.15, keep=keep,
+                              **offset)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_grads_close(grads, q, k, v, dout, dropout_p=0.15, keep=keep, **offset)
+
+
+def test_dropout_is_reproducible_and_fresh_under_cuda_graphs_gpu():
+    q, k, v = inputs(512, 512, 128, 9, grad=True)
+    dout = torch.randn(2, Q_HEADS, 512, 128, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for deterministic in (False, True, True):
+        torch.manual_seed(4)
+        out = fmha.attention(q, k, v, causal=True, dropout_p=0.2, deterministic=deterministic)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+    # A captured call draws a fresh philox key on the device at each replay.
+    static = [t.detach().clone() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up: compile and prepare outside the capture
+            fmha.attention(*static, dropout_p=0.2)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fmha.attention(*static, dropout_p=0.2)
+    graph.replay()
+    first = captured.clone()
+    graph.replay()
+    assert torch.isfinite(first).all() and not torch.equal(first, captured)
+    plain = fmha.attention(*static)
+    assert (first.float().mean() - plain.float().mean()).abs() < 0.05
+
+
+def test_compiled_block_with_features_matches_eager_gpu():
+    torch._dynamo.reset()
+    sinks = torch.zeros(Q_HEADS, device="cuda", requires_grad=True)
+    slopes = feature_kwargs("alibi")["alibi_slopes"]
+
+    def block(q, k, v):
+        out = fmha.attention(q, k, v, causal=True, softcap=30.0, alibi_slopes=slopes, sinks=sinks)
+        return out.float().square().mean()
+
+    q, k, v = inputs(300, 300, 64, 2, grad=True)
+    compiled = torch.compile(block, fullgraph=True)
+    grads = torch.autograd.grad(compiled(q, k, v), (q, k, v, sinks))
+    eager = torch.autograd.grad(block(q, k, v), (q, k, v, sinks))
+    for got, expected in zip(grads, eager):
+        torch.testing.assert_close(got, expected)
+    dropped = torch.compile(lambda q, k, v: fmha.attention(q, k, v, dropout_p=0.3), fullgraph=True)
+    torch.manual_seed(1)
+    first = dropped(q, k, v)
+    torch.manual_seed(1)
+    assert torch.equal(first, dropped(q, k, v))
+
+
+MASKS = ["bool", "float", "padding_stride0", "bool_per_head_transposed"]
+
+
+def sdpa_mask(name, batch, heads, seqlen_q, seqlen_k, dtype):
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    dense = torch.rand(batch, heads, seqlen_q, seqlen_k, device="cuda", generator=generator)
+    if name == "bool":
+        return dense > 0.2
+    if name == "float":
+        return ((dense - 0.5) * 8).to(dtype)
+    if name == "padding_stride0":  # the Hugging Face padding mask: (B, 1, 1, S) expanded
+        lengths = torch.tensor([seqlen_k, seqlen_k // 3], device="cuda")
+        keep = torch.arange(seqlen_k, device="cuda")[None, :] < lengths[:, None]
+        return keep[:, None, None, :].expand(batch, heads, seqlen_q, seqlen_k)
+    return (dense[0] > 0.5).transpose(-1, -2).contiguous().transpose(-1, -2)  # (H, L, S), column-major
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", MASKS)
+def test_attn_mask_against_float64_and_torch_gpu(name, head_dim):
+    q, k, v = inputs(777, 1025, head_dim, 6, grad=True)
+    k, v = (t.detach().repeat_interleave(Q_HEADS // KV_HEADS, dim=1).requires_grad_() for t in (k, v))
+    mask = sdpa_mask(name, 2, Q_HEADS, 777, 1025, q.dtype)
+    out = fmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), atol=1e-5, attn_mask=mask)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                  attn_mask=mask.float() if mask.is_floating_point() else mask)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_grads_close(grads, q, k, v, dout, attn_mask=mask)

@@ -1,0 +1,376 @@
+"""What each score becomes (softcap, ALiBi, sinks, dropout, SDPA's attn_mask) on the CPU through the
+interpreter: forward and gradients against float64, torch's SDPA as the oracle for masks, and
+dropout's statistics and reproducibility."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fmha
+from fmha import ops
+from fmha.backends.gluon_sm90.backend import score_features_refusal
+from fmha.backends.triton.config import SplitKVConfig
+from fmha.backends.triton.launch import dropout_keep_mask
+from fmha.masking import Window
+from fmha.params import attention_params
+from fmha.reference import dense_attention
+
+from .helpers import assert_close_to_reference, assert_grads_close, random_qkv
+
+pytestmark = pytest.mark.interpreter
+
+
+def seeded(*shape, low=0.0, high=1.0, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(*shape, generator=generator) * (high - low) + low
+
+
+def features(name, batch, q_heads):
+    """fmha.attention keyword arguments of a feature set; the reference takes the same ones."""
+    slopes = seeded(q_heads, low=0.05, high=0.6)
+    sinks = seeded(q_heads, low=-1.0, high=2.0, seed=1)
+    return {
+        "softcap": dict(softcap=1.5),
+        "alibi": dict(alibi_slopes=slopes),
+        "alibi_batched": dict(alibi_slopes=seeded(batch, q_heads, low=0.05, high=0.6, seed=2)),
+        "sinks": dict(sinks=sinks),
+        "all": dict(softcap=4.0, alibi_slopes=slopes, sinks=sinks),
+    }[name]
+
+
+def grads_with_sinks(out, q, k, v, kwargs, seed=0):
+    """Gradients of ``out`` w.r.t. q, k, v (and the sinks when they are there) for a fixed dout."""
+    dout = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
+    leaves = (q, k, v) + ((kwargs["sinks"],) if "sinks" in kwargs else ())
+    return torch.autograd.grad(out, leaves, dout), dout
+
+
+# (batch, q heads, kv heads, Sq, Sk, head dim, causal, window): bottom-right causal with Sq < Sk
+# and Sq > Sk (rows that see nothing), GQA, a sliding window, lengths off the 16-row tiles.
+SHAPES = [(1, 4, 2, 37, 45, 24, True, None), (2, 2, 2, 29, 19, 16, True, None), (1, 2, 1, 30, 41, 32, False, (6, 3))]
+
+
+def window_of(shape):
+    _, _, _, seqlen_q, seqlen_k, _, causal, window = shape
+    left, right = window or (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return None
+    return Window.of(seqlen_q, seqlen_k, left=left, right=right)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("-causal" if s[6] else "")
+                         + ("-window" if s[7] else ""))
+@pytest.mark.parametrize("name", ["softcap", "alibi", "alibi_batched", "sinks", "all"])
+def test_forward_and_gradients_match_float64(name, shape, dtype):
+    batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window = shape
+    q, k, v = (t.requires_grad_() for t in random_qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype))
+    kwargs = features(name, batch, q_heads)
+    if "sinks" in kwargs:
+        kwargs["sinks"] = kwargs["sinks"].requires_grad_()
+    out, lse = fmha.attention(q, k, v, causal=causal, window=window, return_lse=True, **kwargs)
+    constants = {name: value.detach() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), window=window_of(shape),
+                              lse=lse, **constants)
+    grads, dout = grads_with_sinks(out, q, k, v, kwargs)
+    assert_grads_close(grads, q, k, v, dout, window=window_of(shape), **kwargs)
+
+
+def test_sinks_gradient_is_the_sum_over_rows_and_batch():
+    q, k, v = random_qkv(2, 3, 3, 20, 20, 16, torch.float32)
+    sinks = torch.tensor([0.5, -1.0, 3.0], requires_grad=True)
+    out = fmha.attention(q, k, v, sinks=sinks)
+    (dsinks,) = torch.autograd.grad(out.square().sum(), sinks)
+    leaf = sinks.detach().double().requires_grad_()
+    ref, _ = dense_attention(q, k, v, sinks=leaf)
+    (expected,) = torch.autograd.grad(ref.square().sum(), leaf)
+    torch.testing.assert_close(dsinks.double(), expected, rtol=1e-4, atol=1e-6)
+    assert dsinks.dtype == torch.float32 and dsinks.shape == (3,)
+
+
+def test_rows_that_see_nothing_with_sinks_are_zero_with_lse_minus_inf():
+    q, k, v = random_qkv(1, 2, 2, 40, 10, 16, torch.float32)
+    sinks = torch.tensor([1.0, -2.0], requires_grad=True)
+    out, lse = fmha.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)  # rows 0..29 see no key
+    assert (out[:, :, :30] == 0).all() and torch.isneginf(lse[:, :, :30]).all()
+    assert torch.isfinite(lse[:, :, 30:]).all()
+    (dsinks,) = torch.autograd.grad(out.sum(), sinks)
+    assert torch.isfinite(dsinks).all()
+
+
+def test_huge_sinks_take_all_the_mass_without_overflow():
+    q, k, v = random_qkv(1, 2, 2, 16, 16, 16, torch.float32)
+    out, lse = fmha.attention(q, k, v, sinks=torch.tensor([200.0, float("-inf")]), return_lse=True)
+    assert out[:, 0].abs().max() < 1e-30 and torch.allclose(lse[:, 0], torch.full_like(lse[:, 0], 200.0))
+    torch.testing.assert_close(out[:, 1], fmha.attention(q, k, v)[:, 1])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # the interpreter's exp2 -> inf: tanh -> 1
+def test_softcap_bounds_large_scores():
+    q, k, v = random_qkv(1, 2, 2, 20, 33, 16, torch.float16)
+    q = q * 30  # scores far past the cap
+    out = fmha.attention(q, k, v, softcap=2.0)
+    assert_close_to_reference(out, q, k, v, softcap=2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_packed_sequences_with_every_feature(dtype):
+    lengths_q, lengths_k = [5, 0, 23, 17], [9, 4, 16, 30]
+    q_heads, kv_heads, head_dim = 4, 2, 16
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lengths_q), q_heads, head_dim, generator=generator).to(dtype).requires_grad_()
+    k, v = (torch.randn(sum(lengths_k), kv_heads, head_dim, generator=generator).to(dtype).requires_grad_()
+            for _ in range(2))
+    slopes = seeded(4, q_heads, low=0.05, high=0.5)
+    sinks = seeded(q_heads, low=-1.0, high=1.0, seed=4).requires_grad_()
+    rng = torch.Generator().manual_seed(11)
+    options = dict(causal=True, softcap=3.0, alibi_slopes=slopes, sinks=sinks, dropout_p=0.2)
+    out, lse = fmha.varlen_attention(q, k, v, cu_q, cu_k, 23, 30, generator=rng, return_lse=True, **options)
+    dout = torch.randn(out.shape, generator=generator).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    # The pattern the kernels kept: rows (head, packed token), keys counted from each sequence's start.
+    rng.manual_seed(11)
+    keep = dropout_keep_mask(ops.dropout_seed(rng, q.device), q_heads * q.shape[0], k.shape[0], 0.2)
+    keep = keep.view(q_heads, q.shape[0], k.shape[0])
+    dq, dk, dv, dsinks = grads
+    dsinks_expected = torch.zeros(q_heads, dtype=torch.float64)
+    for b in range(4):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        q_b, k_b, v_b, out_b, dout_b = (t[s].transpose(0, 1)[None] for t, s in
+                                        ((q, rows), (k, keys), (v, keys), (out, rows), (dout, rows)))
+        scores = dict(softcap=3.0, alibi_slopes=slopes[b], sinks=sinks.detach(), dropout_p=0.2,
+                      keep=keep[:, rows, :lengths_k[b]][None])
+        window = Window.causal(lengths_k[b] - lengths_q[b])
+        if not lengths_q[b]:  # keys no query sees get no gradient
+            assert (dk[keys] == 0).all() and (dv[keys] == 0).all()
+            continue
+        assert_close_to_reference(out_b.detach(), q_b.detach(), k_b.detach(), v_b.detach(), window=window,
+                                  lse=lse[:, rows][None], **scores)
+        grads_b = [g[s].transpose(0, 1)[None] for g, s in ((dq, rows), (dk, keys), (dv, keys))]
+        assert_grads_close(grads_b, q_b.detach(), k_b.detach(), v_b.detach(), dout_b, window=window, **scores)
+        leaf = sinks.detach().double().requires_grad_()
+        ref, _ = dense_attention(q_b.detach(), k_b.detach(), v_b.detach(), window=window,
+                                 **{**scores, "sinks": leaf})
+        dsinks_expected += torch.autograd.grad(ref, leaf, dout_b.double())[0]
+    torch.testing.assert_close(dsinks.double(), dsinks_expected, rtol=2e-2 if dtype == torch.float16 else 1e-4,
+                               atol=2e-3 if dtype == torch.float16 else 1e-5)
+
+
+# Dropout
+
+def dropout_pattern(generator_seed, shape, dropout_p, device="cpu"):
+    """The (B, Hq, Sq, Sk) pattern of a dense call whose generator was seeded with ``generator_seed``."""
+    batch, q_heads, seqlen_q, seqlen_k = shape
+    key = ops.dropout_seed(torch.Generator(device).manual_seed(generator_seed), device)
+    return dropout_keep_mask(key, batch * q_heads * seqlen_q, seqlen_k, dropout_p).view(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("shape, options", [
+    ((1, 4, 2, 37, 45, 24), dict(causal=True)),
+    ((1, 2, 2, 33, 30, 16), dict(window=(5, 4), softcap=2.0, sinks=seeded(2, seed=5))),
+], ids=["gqa-causal", "window-softcap-sinks"])
+def test_dropout_matches_float64_with_the_kernels_pattern(shape, options, dtype):
+    batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
+    q, k, v = (t.requires_grad_() for t in random_qkv(*shape, dtype))
+    out = fmha.attention(q, k, v, dropout_p=0.3, generator=torch.Generator().manual_seed(7), **options)
+    keep = dropout_pattern(7, (batch, q_heads, seqlen_q, seqlen_k), 0.3)
+    window = options.get("window")
+    window = Window.of(seqlen_q, seqlen_k, left=window[0], right=window[1]) if window else None
+    reference = dict(causal_offset=seqlen_k - seqlen_q) if options.get("causal") else dict(window=window)
+    scores = {name: value for name, value in options.items() if name in ("softcap", "sinks")}
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), dropout_p=0.3, keep=keep,
+                              **reference, **scores)
+    grads, dout = grads_with_sinks(out, q, k, v, {})
+    assert_grads_close(grads, q, k, v, dout, dropout_p=0.3, keep=keep, **reference, **scores)
+
+
+def test_dropout_statistics():
+    # 2 x 2 x 64 rows of 128 keys: 32,768 draws. With v = 1 every kept probability adds to its
+    # row's output / (1 - p), so each output is an unbiased estimate of 1.
+    p = 0.25
+    keep = dropout_pattern(0, (2, 2, 64, 128), p)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.01  # about 4 standard deviations
+    q, k = random_qkv(2, 2, 2, 64, 128, 16, torch.float32)[:2]
+    v = torch.ones_like(k)
+    out = fmha.attention(q, k, v, dropout_p=p, generator=torch.Generator().manual_seed(0))
+    assert abs(out.mean().item() - 1.0) < 0.02
+    assert out.std().item() > 0.01  # the rows differ: bits are not shared between rows
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0], keep[1])
+
+
+def test_dropout_is_bitwise_reproducible_for_a_generator_state():
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 1, 21, 26, 16, torch.float16))
+    generator = torch.Generator()
+    runs = []
+    for deterministic in (False, True):
+        generator.manual_seed(123)
+        out = fmha.attention(q, k, v, causal=True, dropout_p=0.4, generator=generator, deterministic=deterministic)
+        runs.append((out, *grads_with_sinks(out, q, k, v, {})[0]))
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+    # The call advanced the generator: the next call draws other bits.
+    state = generator.get_state()
+    again = fmha.attention(q, k, v, causal=True, dropout_p=0.4, generator=generator)
+    assert not torch.equal(state, generator.get_state()) and not torch.equal(again, runs[0][0])
+    # torch's default generator, as torch's own random ops use it
+    torch.manual_seed(5)
+    first = fmha.attention(q, k, v, dropout_p=0.4)
+    torch.manual_seed(5)
+    assert torch.equal(first, fmha.attention(q, k, v, dropout_p=0.4))
+
+
+def test_dropout_edge_probabilities():
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 20, 24, 16, torch.float32))
+    out = fmha.attention(q, k, v, dropout_p=1.0)
+    assert (out == 0).all()
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all((grad == 0).all() for grad in grads)
+    plain = fmha.attention(q, k, v)
+    assert torch.equal(fmha.attention(q, k, v, dropout_p=0.0, generator=torch.Generator()), plain)
+
+
+def test_flash_attn_functions_take_softcap_alibi_and_dropout():
+    q, k, v = random_qkv(2, 4, 2, 30, 38, 16, torch.float16, layout="bshd")
+    slopes = seeded(4, low=0.1, high=0.5)
+    out, lse, probs = fmha.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                           softcap=5.0, alibi_slopes=slopes, return_attn_probs=True)
+    assert probs is None
+    assert_close_to_reference(out.transpose(1, 2), q, k, v, causal_offset=8, lse=lse, softcap=5.0,
+                              alibi_slopes=slopes)
+    torch.manual_seed(9)
+    dropped = fmha.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.5)
+    torch.manual_seed(9)
+    assert torch.equal(dropped, fmha.attention(q, k, v, dropout_p=0.5).transpose(1, 2))
+
+
+def test_decode_shapes_with_features_keep_the_per_tile_forward():
+    q, k, v = random_qkv(1, 8, 1, 2, 90, 32, torch.float16)
+    assert isinstance(fmha.explain(q, k, v).config, SplitKVConfig)
+    assert not isinstance(fmha.explain(q, k, v, softcap=3.0).config, SplitKVConfig)
+    slopes = seeded(8, low=0.1, high=0.5)
+    out = fmha.attention(q, k, v, causal=True, softcap=3.0, alibi_slopes=slopes)
+    assert_close_to_reference(out, q, k, v, causal_offset=88, softcap=3.0, alibi_slopes=slopes)
+
+
+def test_bfloat16_with_features_on_the_cpu():
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 21, 27, 16, torch.bfloat16))
+    sinks = torch.tensor([0.3, -0.4], requires_grad=True)
+    out = fmha.attention(q, k, v, causal=True, softcap=2.0, sinks=sinks)
+    assert out.dtype == torch.bfloat16
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), causal_offset=6, softcap=2.0,
+                              sinks=sinks.detach())
+    grads, dout = grads_with_sinks(out, q, k, v, {"sinks": sinks})
+    assert_grads_close(grads, q, k, v, dout, causal_offset=6, softcap=2.0, sinks=sinks)
+
+
+def test_torch_compile_fullgraph_with_features():
+    def block(q, k, v, sinks, slopes):
+        return (fmha.attention(q, k, v, causal=True, softcap=3.0, alibi_slopes=slopes, sinks=sinks,
+                               dropout_p=0.2) * 2).sum()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 1, 24, 30, 16, torch.float32))
+    sinks, slopes = torch.tensor([0.1, 0.7], requires_grad=True), seeded(2)
+    torch.manual_seed(0)
+    grads = torch.autograd.grad(compiled(q, k, v, sinks, slopes), (q, k, v, sinks))
+    torch.manual_seed(0)
+    eager = torch.autograd.grad(block(q, k, v, sinks, slopes), (q, k, v, sinks))
+    for got, expected in zip(grads, eager):
+        torch.testing.assert_close(got, expected)
+
+
+def test_custom_op_schemas_name_every_argument_once():
+    # Inductor builds a Python signature from a schema: a tensor and an option of one name break it.
+    for op in (ops.forward_op, ops.backward_op, ops.varlen_forward_op, ops.varlen_backward_op):
+        names = [argument.name for argument in op._opoverload._schema.arguments]
+        assert len(names) == len(set(names)), names
+
+
+def test_hopper_kernels_refuse_the_features_they_lack():
+    q, k, v = random_qkv(1, 2, 2, 8, 8, 16, torch.float16)
+    options = attention_params("t", q, k, v, softcap=2.0, sinks=torch.zeros(2), dropout_p=0.1).options
+    assert score_features_refusal(options) == "softcap, sinks, dropout not built here yet"
+    assert fmha.explain(q, k, v, softcap=2.0).backend == "triton"
+
+
+# SDPA's attn_mask: torch's own SDPA is the oracle
+
+def sdpa_both(q, k, v, **kwargs):
+    """fmha's and torch's (MATH) SDPA outputs and gradients for the same inputs and dout."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fmha.scaled_dot_product_attention(*leaves, **kwargs)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(*torch_leaves, **kwargs)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    return (out, *torch.autograd.grad(out, leaves, dout)), (expected, *torch.autograd.grad(expected, torch_leaves, dout))
+
+
+def masks(batch, heads, seqlen_q, seqlen_k):
+    generator = torch.Generator().manual_seed(2)
+    dense = torch.rand(batch, heads, seqlen_q, seqlen_k, generator=generator)
+    hidden_rows = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    hidden_rows[[0, 5, seqlen_q - 1]] = False  # rows that see nothing: zeros, as torch
+    minus_inf = torch.zeros(seqlen_q, seqlen_k)
+    minus_inf[3] = float("-inf")
+    minus_inf[:, 7] = float("-inf")
+    return {
+        "bool": dense > 0.4,
+        "float": dense * 4 - 2,
+        "bool_2d": dense[0, 0] > 0.5,
+        "float_per_batch": (dense[:, :1] - 0.5) * 3,  # (B, 1, L, S): broadcast over heads
+        "padding_stride0": (torch.arange(seqlen_k) < seqlen_k - 6).expand(batch, heads, seqlen_q, seqlen_k),
+        "float_transposed": dense[0, 0].t().contiguous().t(),  # any strides
+        "hidden_rows": hidden_rows,
+        "minus_inf": minus_inf,
+    }
+
+
+@pytest.mark.parametrize("name", list(masks(2, 4, 19, 27)))
+def test_attn_mask_matches_torch(name):
+    q, k, v = random_qkv(2, 4, 2, 19, 27, 16, torch.float32)
+    mask = masks(2, 4, 19, 27)[name]
+    if name == "padding_stride0":
+        assert 0 in mask.stride()
+    got, expected = sdpa_both(q, k, v, attn_mask=mask, enable_gqa=True)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=3e-6, rtol=1e-5)
+
+
+def test_attn_mask_in_half_precision_against_float64():
+    q, k, v = random_qkv(2, 2, 2, 29, 35, 24, torch.float16)
+    mask = (torch.randn(1, 2, 29, 35, generator=torch.Generator().manual_seed(4)) * 2).half()
+    out = fmha.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    assert_close_to_reference(out, q, k, v, scale=0.3, attn_mask=mask)
+    bool_mask = mask > 0
+    out = fmha.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask)
+    assert_close_to_reference(out, q, k, v, attn_mask=bool_mask)
+
+
+@pytest.mark.parametrize("query_shape, mask_shape", [((3, 11, 16), (11, 13)), ((2, 3, 2, 7, 16), (3, 1, 7, 13)),
+                                                     ((2, 3, 2, 7, 16), (2, 1, 1, 7, 13))],
+                         ids=lambda shape: "x".join(map(str, shape)))
+def test_attn_mask_with_three_and_five_dim_inputs(query_shape, mask_shape):
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(query_shape, generator=generator)
+    k, v = (torch.randn(*query_shape[:-2], 13, 16, generator=generator) for _ in range(2))
+    mask = torch.randn(mask_shape, generator=generator) > 0
+    got, expected = sdpa_both(q, k, v, attn_mask=mask)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=3e-6, rtol=1e-5)
+
+
+def test_sdpa_dropout_draws_from_the_default_generator():
+    q, k, v = random_qkv(1, 2, 2, 20, 20, 16, torch.float32)
+    mask = torch.rand(20, 20, generator=torch.Generator().manual_seed(0)) > 0.3
+    torch.manual_seed(3)
+    out = fmha.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.5)
+    torch.manual_seed(3)
+    keep = dropout_keep_mask(ops.dropout_seed(None, q.device), 2 * 20, 20, 0.5).view(1, 2, 20, 20)
+    assert_close_to_reference(out, q, k, v, attn_mask=mask, dropout_p=0.5, keep=keep)

@@ -1,0 +1,157 @@
+"""attn_implementation="fmha" in a Hugging Face transformers model, on the CPU through the interpreter.
+
+A tiny Llama (GQA, random weights, float32) against attn_implementation="sdpa": prefill with and
+without padding, greedy decoding over a DynamicCache and a StaticCache, gradients, and which of
+fmha's entry points (or the SDPA fallback) each mask takes.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fmha.integrations.transformers as hf  # noqa: E402
+
+pytestmark = pytest.mark.interpreter
+
+PROMPT = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the calls of each path of the integration (and forgets which fallbacks warned)."""
+    counter = Counter()
+    for name in ("attention", "flash_attn_with_kvcache", "varlen_attention", "_sdpa"):
+        original = getattr(hf, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            counter[_name] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(hf, name, counted)
+    monkeypatch.setattr(hf, "_warned", set())
+    return counter
+
+
+def inputs(padding=None):
+    """Two prompts; ``padding`` "left", "right" or "holes" pads the second."""
+    ids = torch.randint(1, 64, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    if padding == "left":
+        mask[1, :5] = 0
+    elif padding == "right":
+        mask[1, 8:] = 0
+    elif padding == "holes":
+        mask[1, 3:6] = 0
+    return ids, mask
+
+
+def logits(model, implementation, ids, mask=None):
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("padding, path", [(None, "attention"), ("left", "flash_attn_with_kvcache"),
+                                           ("right", "varlen_attention")])
+def test_prefill_logits_match_sdpa(model, calls, padding, path):
+    ids, mask = inputs(padding)
+    expected = logits(model, "sdpa", ids, mask if padding else None)
+    got = logits(model, "fmha", ids, mask if padding else None)
+    real = mask.bool()  # padded positions are garbage in both
+    torch.testing.assert_close(got[real], expected[real], atol=2e-5, rtol=0)
+    assert calls == {path: model.config.num_hidden_layers}
+
+
+def test_padding_with_holes_falls_back_to_sdpa_with_a_warning(model, calls):
+    ids, mask = inputs("holes")
+    expected = logits(model, "sdpa", ids, mask)
+    with pytest.warns(UserWarning, match="holes"):
+        got = logits(model, "fmha", ids, mask)
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=2e-5, rtol=0)
+    assert calls == {"_sdpa": model.config.num_hidden_layers}
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("padding", [None, "left"])
+def test_greedy_decoding_matches_sdpa(model, calls, cache, padding):
+    ids, mask = inputs(padding)
+    outputs = {}
+    for implementation in ("sdpa", "fmha"):
+        model.set_attn_implementation(implementation)
+        outputs[implementation] = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                                 cache_implementation=cache, return_dict_in_generate=True,
+                                                 output_logits=True)
+    assert torch.equal(outputs["fmha"].sequences, outputs["sdpa"].sequences)
+    for got, expected in zip(outputs["fmha"].logits, outputs["sdpa"].logits):
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+    # Every step ran fmha: the prefill and three decode steps, in each layer.
+    assert calls["_sdpa"] == 0 and sum(calls.values()) == 4 * model.config.num_hidden_layers
+    if cache == "static" or padding:  # lengths on the device (a StaticCache's empty slots, left padding)
+        assert calls["flash_attn_with_kvcache"] == 4 * model.config.num_hidden_layers
+
+
+def test_chunked_prefill_over_a_dynamic_cache(model, calls):
+    """A second chunk of queries over cached keys (Sq < Sk), with left padding."""
+    ids, mask = inputs("left")
+    results = {}
+    for implementation in ("sdpa", "fmha"):
+        model.set_attn_implementation(implementation)
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :7], attention_mask=mask[:, :7], past_key_values=cache)
+            results[implementation] = model(ids[:, 7:], attention_mask=mask, past_key_values=cache).logits
+    torch.testing.assert_close(results["fmha"], results["sdpa"], atol=2e-5, rtol=0)
+    assert calls["_sdpa"] == 0
+
+
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_gradients_match_sdpa(model, padding):
+    ids, mask = inputs(padding)
+    grads = {}
+    for implementation in ("sdpa", "fmha"):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        out = model(ids, attention_mask=mask if padding else None).logits
+        out[mask.bool()].square().mean().backward()
+        grads[implementation] = [p.grad.clone() for p in model.model.layers[0].self_attn.parameters()]
+    model.zero_grad()
+    for got, expected in zip(grads["fmha"], grads["sdpa"]):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_user_4d_mask_runs_sdpa(model, calls):
+    """A custom 4-D mask goes to torch SDPA as given."""
+    ids, _ = inputs()
+    causal = torch.ones(PROMPT, PROMPT, dtype=torch.bool).tril()
+    causal[4:, :2] = False  # not expressible as padding
+    mask = causal.expand(2, 1, PROMPT, PROMPT)
+    expected = logits(model, "sdpa", ids, mask)
+    with pytest.warns(UserWarning, match="4-D attention mask"):
+        got = logits(model, "fmha", ids, mask)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+    assert calls == {"_sdpa": model.config.num_hidden_layers}
+
+
+def test_lengths_mask_columns_are_contiguous():
+    mask = hf.lengths_mask(torch.tensor([0, 3]), torch.tensor([9, 9]))
+    assert hf.is_lengths_mask(mask) and mask.shape == (2, 1, 1, 2)
+    first, stop, end = hf._bounds(mask)
+    assert first.tolist() == [0, 3] and stop.tolist() == end.tolist() == [9, 9]
+    assert mask[:, 0, 0, 0].is_contiguous() and mask[:, 0, 0, 1].is_contiguous()
+
+
+def test_softcap_raises():
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        hf.fmha_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
