@@ -5,16 +5,14 @@ takes this kernel there); here it is built for sm_90a in a clean child process (
 built where TRITON_INTERPRET=1 was set) and the SASS is read back.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fmha.backends.gluon_sm90 import backend as hopper_backend
 from fmha.params import attention_params
+
+from .helpers import build_report
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -48,12 +46,7 @@ VARIANTS = [(128, False, False), (128, False, True), (64, False, False), (64, Tr
 
 @pytest.fixture(scope="module")
 def backward_builds():
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(VARIANTS)], env=env,
-                            capture_output=True, text=True, timeout=600)
-    errors = "\n".join(line for line in result.stderr.splitlines() if "nanobind" not in line and "leaked" not in line)
-    assert result.returncode == 0, errors[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return build_report(_BUILD_SCRIPT, VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)

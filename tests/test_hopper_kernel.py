@@ -5,10 +5,6 @@ takes this kernel there); here it is built for sm_90a with Triton's bundled ptxa
 read back: warpgroup MMAs fed by bulk tensor copies, and no slow fallbacks.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +16,8 @@ from fmha import HopperSchedule
 from fmha.backends.gluon_sm90 import backend as hopper_backend
 from fmha.params import attention_params
 from fmha.tuning import schedules
+
+from .helpers import build_report
 
 gluon = pytest.importorskip("triton.experimental.gluon")
 
@@ -80,13 +78,7 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
 
 @pytest.fixture(scope="module")
 def hopper_builds():
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(VARIANTS)], env=env,
-                            capture_output=True, text=True, timeout=600)
-    # nanobind reports leaked objects at exit; the compiler's own error is the rest.
-    errors = "\n".join(line for line in result.stderr.splitlines() if "nanobind" not in line and "leaked" not in line)
-    assert result.returncode == 0, errors[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return build_report(_BUILD_SCRIPT, VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)

@@ -144,10 +144,11 @@ class HopperBackward:
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv) -> None:
         p = self.params
         rows = p.batch * p.q_heads * self.padded_q
-        lse2 = torch.empty(rows, device=q.device, dtype=torch.float32)
-        delta = torch.empty(rows, device=q.device, dtype=torch.float32)
-        dq_accum = torch.empty(rows * p.head_dim, device=q.device, dtype=torch.float32)
         head_dim = p.head_dim
+        # One allocation: the LSE (log2), delta and the dQ buffer; rows is a multiple of 128, so
+        # every part starts 16-byte aligned for TMA.
+        scratch = torch.empty(rows * (2 + head_dim), device=q.device, dtype=torch.float32)
+        lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:]
         backward_rows_kernel[self.rows_grid](
             out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride()[:2],
             p.q_heads, p.seqlen_q, self.padded_q,
