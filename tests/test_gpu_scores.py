@@ -59,6 +59,35 @@ def test_features_forward_and_backward_gpu(name, head_dim, seqlen_q, seqlen_k, c
     assert_grads_close(grads, q, k, v, dout, **offset, **kwargs)
 
 
+HOPPER_FEATURES = ["softcap", "softcap_small", "alibi", "alibi_batched", "sinks", "all"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", LENGTHS + [(77, 300)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", HOPPER_FEATURES)
+def test_hopper_kernels_with_score_features_gpu(name, head_dim, seqlen_q, seqlen_k, causal):
+    """The Gluon forward and backward (sm_90) run softcap, ALiBi and sinks themselves."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are built for sm_90")
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((name, head_dim, seqlen_k, causal, "hopper")) % 2**31, grad=True)
+    kwargs = feature_kwargs(name)
+    explanation = fmha.explain(q, k, v, causal=causal, config=fmha.HopperSchedule(), **kwargs)
+    assert explanation.backend == "gluon_sm90" and explanation.backward.startswith("gluon_sm90"), str(explanation)
+    leaves = (q, k, v)
+    if "sinks" in kwargs:
+        kwargs["sinks"] = kwargs["sinks"].clone().requires_grad_()
+        leaves += (kwargs["sinks"],)
+    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True, config=fmha.HopperSchedule(), **kwargs)
+    offset = dict(causal_offset=seqlen_k - seqlen_q) if causal else {}
+    constants = {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), lse=lse, atol=1e-5, **offset,
+                              **constants)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert_grads_close(grads, q, k, v, dout, **offset, **kwargs)
+
+
 @pytest.mark.parametrize("window", [(255, 0), (100, 100)], ids=lambda window: f"left{window[0]}-right{window[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_features_with_windows_and_packed_sequences_gpu(head_dim, window):

@@ -22,26 +22,30 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.tools.disasm import path_to_cuobjdump
-from fmha.backends.gluon_sm90 import backward_launch
+from fmha.backends.gluon_sm90 import backward_launch, launch
 
 report = {"triton": triton.__version__}
-for head_dim, has_left, has_right in json.loads(sys.argv[1]):
+for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):
     schedule = backward_launch.default_backward_schedule(head_dim)
-    source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, has_left, has_right, schedule)
+    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi="alibi" in extra)
+    source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, has_left, has_right, schedule,
+                                                       features=features)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=backward_launch.hopper_backward_options(schedule))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
         sass = subprocess.check_output([path_to_cuobjdump(), "-sass", handle.name], text=True)
-    report[f"{head_dim},{has_left},{has_right}"] = {
-        "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "STL")},
+    report[",".join(map(str, [head_dim, has_left, has_right, *extra]))] = {
+        "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "STL",
+                                                 "MUFU.TANH")},
         "hmma": sass.count("HMMA"), "shared": compiled.metadata.shared}
 print(json.dumps(report))
 """
 
-# (head_dim, has_left, has_right): dense, causal, a two-sided window.
-VARIANTS = [(128, False, False), (128, False, True), (64, False, False), (64, True, True)]
+# (head_dim, has_left, has_right, score features...): dense, causal, a two-sided window, softcap and ALiBi.
+VARIANTS = [(128, False, False), (128, False, True), (64, False, False), (64, True, True),
+            (128, False, True, "softcap"), (64, False, True, "softcap", "alibi"), (128, False, False, "alibi")]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +71,12 @@ def test_dense_head_dim_128_does_not_spill(backward_builds):
     if not backward_builds["triton"].startswith("3.6."):
         pytest.skip(f"spills measured with triton 3.6, this is {backward_builds['triton']}")
     assert backward_builds["128,False,False"]["counts"]["STL"] == 0
+
+
+def test_softcap_runs_tanh_on_the_mufu_unit(backward_builds):
+    """One tanh.approx per score: the exp2-and-division form would add MUFU.EX2 and MUFU.RCP instead."""
+    assert backward_builds["128,False,True,softcap"]["counts"]["MUFU.TANH"] > 0
+    assert backward_builds["128,False,True"]["counts"]["MUFU.TANH"] == 0
 
 
 def _params(**options):

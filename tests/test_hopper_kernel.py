@@ -47,8 +47,9 @@ for variant in json.loads(sys.argv[1]):
     schedule = HopperSchedule(block_n=block_n, stages=stages, consumers=consumers, emulated_exp2=emulated_exp2,
                               q_buffers=q_buffers, ctas_per_sm=ctas_per_sm)
     # The very source, signature and options the launcher compiles on a GPU.
+    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi="alibi" in extra, sinks="sinks" in extra)
     source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left="left" in extra,
-                                             varlen="varlen" in extra)
+                                             varlen="varlen" in extra, features=features)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options=launch.hopper_compile_options(schedule))
@@ -57,7 +58,8 @@ for variant in json.loads(sys.argv[1]):
         continue
     sass = sass_of(compiled.asm["cubin"])
     report[",".join(map(str, variant))] = {
-        "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2")},
+        "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2", "MUFU.TANH",
+                                                 "STL")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
         "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
         "maxnreg": int(compiled.asm["ptx"].split(".maxnreg")[1].split()[0])}
@@ -73,7 +75,10 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (64, False, 3, 64, 3, 0, 1, 1), (64, False, 2, 128, 2, 0, 2, 1),
             (64, True, 2, 128, 2, 8, 2, 1, "left"), (128, True, 2, 128, 2, 0, 2, 1, "left"),
             (128, True, 2, 128, 2, 0, 2, 1, "varlen"), (64, True, 1, 64, 2, 0, 2, 3, "varlen"),
-            (128, True, 2, 128, 2, 0, 2, 1, "left", "varlen")]
+            (128, True, 2, 128, 2, 0, 2, 1, "left", "varlen"),
+            (128, True, 2, 128, 2, 0, 2, 1, "softcap"), (64, False, 2, 128, 2, 8, 2, 1, "softcap"),
+            (128, False, 2, 128, 2, 0, 2, 1, "softcap", "alibi", "sinks"),
+            (64, True, 2, 128, 2, 8, 2, 1, "alibi", "sinks", "left", "varlen")]
 
 
 @pytest.fixture(scope="module")

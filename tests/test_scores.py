@@ -295,7 +295,9 @@ def test_custom_op_schemas_name_every_argument_once():
 def test_hopper_kernels_refuse_the_features_they_lack():
     q, k, v = random_qkv(1, 2, 2, 8, 8, 16, torch.float16)
     options = attention_params("t", q, k, v, softcap=2.0, sinks=torch.zeros(2), dropout_p=0.1).options
-    assert score_features_refusal(options) == "softcap, sinks, dropout not built here yet"
+    assert score_features_refusal(options) == "dropout not built here yet"
+    options = attention_params("t", q, k, v, softcap=2.0, sinks=torch.zeros(2), alibi_slopes=torch.ones(2)).options
+    assert score_features_refusal(options) is None
     assert fmha.explain(q, k, v, softcap=2.0).backend == "triton"
 
 

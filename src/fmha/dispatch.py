@@ -123,7 +123,7 @@ class PreparedForward:
         """``(out, lse)``; ``out`` keeps q's layout (BSHD stays BSHD) when q is dense.
 
         Packed sequences (varlen) also pass ``cu_seqlens_q, cu_seqlens_k``; score features pass
-        ``scores=ScoreTensors(...)`` (only the portable backend accepts them).
+        ``scores=ScoreTensors(...)``.
         """
         out = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
@@ -201,7 +201,7 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, 
     runs the call, else the portable one (always with an explicit portable ``config``).
 
     Packed sequences (varlen) pass ``seqlens=(cu_seqlens_q, cu_seqlens_k)``; score features pass
-    ``scores=ScoreTensors(...)`` (portable backward only), whose ``sinks_grad`` receives the sinks' gradient.
+    ``scores=ScoreTensors(...)``, whose ``sinks_grad`` receives the sinks' gradient.
     """
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if params.device.type == "meta":
@@ -209,14 +209,14 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, 
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     hopper = None
-    if config is None and params.device.type == "cuda" and not params.options.score_features:
+    if config is None and params.device.type == "cuda":
         if not tma_compatible(dout):  # e.g. the expanded gradient of a sum
             dout = dout.contiguous()
         hopper, _ = hopper_backward(params, dout, q, k, v, dq, dk, dv)
     index = params.device.index if params.device.type == "cuda" else None
     with torch.cuda.device(index) if index is not None and index != torch.cuda.current_device() else _SAME_DEVICE:
         if hopper is not None:
-            hopper(dout, q, k, v, out, lse, dq, dk, dv)
+            hopper(dout, q, k, v, out, lse, dq, dk, dv, **scores)
         else:
             BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config, seqlens, **scores)
     return dq, dk, dv

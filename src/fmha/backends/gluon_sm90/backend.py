@@ -37,13 +37,12 @@ def _tma_strides_ok(tensor: torch.Tensor) -> bool:
     return tma_compatible(tensor)
 
 
-def score_features_refusal(options) -> str:
-    """The score features the Gluon kernels do not build yet (fmha.params.AttentionOptions); the
-    portable kernel runs them."""
-    wanted = [name for name, on in (("softcap", options.softcap > 0), ("ALiBi", options.has_alibi),
-                                    ("sinks", options.has_sinks), ("an attn_mask", bool(options.attn_mask_kind)),
+def score_features_refusal(options) -> str | None:
+    """The score features the Gluon kernels do not build (fmha.params.AttentionOptions), or None;
+    softcap, ALiBi and sinks are built, the portable kernel runs the rest."""
+    wanted = [name for name, on in (("an attn_mask", bool(options.attn_mask_kind)),
                                     ("dropout", options.dropout_p > 0)) if on]
-    return f"{', '.join(wanted)} not built here yet"
+    return f"{', '.join(wanted)} not built here yet" if wanted else None
 
 
 class HopperBackend:
@@ -71,7 +70,9 @@ class HopperBackend:
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
         if options.score_features:
-            return score_features_refusal(options)
+            reason = score_features_refusal(options)
+            if reason is not None:
+                return reason
         for name, tensor in zip("qkv", (q, k, v)):
             if params.varlen:  # packed (total, H, D): described as (1, H, total, D)
                 tensor = tensor.unsqueeze(0).transpose(1, 2)

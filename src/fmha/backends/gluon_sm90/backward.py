@@ -37,6 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ...compat import cta_barrier, tma_atomic_add, tma_load, tma_store
 from .forward import CONSUMER_WARPS, accumulator_layout, operand_layout
 from .masking import query_blocks, visible
+from .scores import modified_scores
+
+LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 CONSUMER_KEYS = gl.constexpr(64)  # keys per consumer warpgroup: one wgmma row block
 
@@ -104,13 +107,14 @@ def _query_steps(
     dk, dv,  # [CONSUMER_KEYS, HEAD_DIM] f32 accumulators
     k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
     q_ready, q_free, ds_ready, ds_free, dq_desc,
-    batch, head, keys, position_base, m_first, m_begin, m_stop, seqlen_k, lo, hi, qk_scale,
+    batch, head, keys, position_base, m_first, m_begin, m_stop, seqlen_k, lo, hi, qk_scale, mods,
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
-    DQ_ALTERNATE: gl.constexpr,
+    DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
 ):
     """Query blocks [m_begin, m_stop) of one head; the block at row m sits at ring position
-    position_base + (m - m_first) / BLOCK_M."""
+    position_base + (m - m_first) / BLOCK_M. ``mods``: ``(softcap_scale, slope, position_offset,
+    key_positions)``, the score features' values for this head (position_offset = Sk - Sq)."""
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -137,12 +141,21 @@ def _query_steps(
         dprobs_t = warpgroup_mma(v_rows, do.permute((1, 0)), no_scores, use_acc=False, is_async=True)
         scores_t = warpgroup_mma_wait(1, deps=(scores_t,))
         lse = lse_smem.index(slot).load(row_layout)  # log2 units; padded rows +inf
-        probs_t = gl.exp2(scores_t * qk_scale - lse[None, :])
+        if SOFTCAP or ALIBI:
+            softcap_scale, slope, position_offset, key_positions = mods
+            row_positions = (m + position_offset + gl.arange(0, BLOCK_M, layout=row_layout)).to(gl.float32)
+            scores_t, capped_t = modified_scores(scores_t, row_positions[None, :], key_positions[:, None], qk_scale,
+                                                 softcap_scale, slope, SOFTCAP, ALIBI)
+            probs_t = gl.exp2(scores_t - lse[None, :])
+        else:
+            probs_t = gl.exp2(scores_t * qk_scale - lse[None, :])
         if MASKED:
             rows = m + gl.arange(0, BLOCK_M, layout=row_layout)
             seen = visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
             probs_t = gl.where(seen, probs_t, 0.0)
         dv = warpgroup_mma(gl.convert_layout(probs_t.to(dtype), a_layout), do, dv, is_async=True)
+        if SOFTCAP:  # dS takes d(softcap · tanh(s / softcap)) / ds: fold it into P now, and keep one tile
+            probs_t = probs_t * (1.0 - capped_t * capped_t)
         dprobs_t = warpgroup_mma_wait(1, deps=(dprobs_t,))
         delta = delta_smem.index(slot).load(row_layout)
         dscores_t = (probs_t * (dprobs_t - delta[None, :])).to(dtype)
@@ -195,10 +208,12 @@ def _consumer_partition(
     args,  # unpacked below
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, q_ready, q_free,
      ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
-     qk_scale) = args
+     qk_scale, score_args) = args
+    AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     dtype: gl.constexpr = k_smem.dtype
@@ -208,6 +223,7 @@ def _consumer_partition(
     first_key = n_block * BLOCK_N
     own_first_key = first_key + CONSUMER * CONSUMER_KEYS
     keys = own_first_key + gl.arange(0, CONSUMER_KEYS, layout=gl.SliceLayout(1, s_layout))
+    key_positions = keys.to(gl.float32)
     m_start, full_start, full_end, m_end = query_blocks(
         first_key, BLOCK_N, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     if first_key + BLOCK_N > seqlen_k:  # keys past the end: every block takes the mask
@@ -221,18 +237,25 @@ def _consumer_partition(
     for member in range(group_size):
         head = kv_head * group_size + member
         position_base = member * steps
+        slope = 0.0
+        if ALIBI:
+            slope = gl.load(AlibiSlopes + batch.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
+        mods = (softcap_scale, slope, seqlen_k - seqlen_q, key_positions)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, seqlen_k, lo, hi,
-            qk_scale, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE)
+            qk_scale, mods, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE,
+            SOFTCAP, ALIBI)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, seqlen_k, lo, hi,
-            qk_scale, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE)
+            qk_scale, mods, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE,
+            SOFTCAP, ALIBI)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, seqlen_k, lo, hi,
-            qk_scale, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE)
+            qk_scale, mods, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE,
+            SOFTCAP, ALIBI)
     # The descriptors clip keys past the end.
     own_staging = staging.index(CONSUMER)
     _store_rows_of((dk * scale).to(dtype), own_staging, dk_desc, [batch, kv_head, own_first_key, 0])
@@ -242,16 +265,22 @@ def _consumer_partition(
 
 @gluon.jit
 def attention_backward_hopper_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
-    padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, AlibiSlopes,
+    stride_ab, stride_ah, padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
+    qk_scale, softcap_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
+    CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr,
 ):
     """One program per (batch, KV head, key block of 64 x CONSUMERS keys). Descriptors are
     (B, H, S, D): Q and dO in blocks of BLOCK_M rows, K and V of the whole key block, dK and dV of
     one consumer's 64 keys, and dQ's fp32 buffer (B, Hq, padded_q, D), zeroed, of one consumer's share
     of a step; the LSE (log2 units) and delta are flat (B·Hq·padded_q) fp32 vectors, in blocks of
-    BLOCK_M (:mod:`fmha.backends.triton.backward_rows`)."""
+    BLOCK_M (:mod:`fmha.backends.triton.backward_rows`).
+
+    Score features as in the forward: SOFTCAP (``qk_scale`` is ``scale / softcap``, and dS takes the
+    factor ``1 - tanh²``), ALIBI (slopes through stride_ab, stride_ah). The LSE counts the sinks, so
+    the kernel never sees them (their gradient is the launcher's)."""
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -281,21 +310,21 @@ def attention_backward_hopper_kernel(
 
     shared = (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, q_ready,
               q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo,
-              hi, scale, qk_scale)
+              hi, scale, qk_scale, (AlibiSlopes, stride_ab, stride_ah, softcap_scale))
     load_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                  k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q,
                  seqlen_k, lo, hi)
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE)),
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI)),
              (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE)),
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI)),
              (_consumer_partition, (shared, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE)),
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI)),
              (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

@@ -15,13 +15,13 @@ from triton.experimental.gluon import language as gl
 from ...compat import COMPILE_OPTIONS, GluonASTSource
 from ...params import AttentionParams
 from ...runtime import KernelBuildError, run_compiled
+from ..triton.backward import sinks_grad_kernel
 from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
-from ..triton.forward import LOG2_E
 from ..triton.launch import tma_compatible, window_bounds
 from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
+from .launch import NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout, build_gluon, score_arguments
 
 KEYS_PER_CONSUMER = CONSUMER_KEYS.value
-from .launch import _HostDescriptor, _shared_layout, build_gluon
 
 ROWS_BLOCK = 64  # rows per program of the preparation and dQ conversion kernels
 
@@ -77,12 +77,14 @@ def _accumulator_layout(rows: int, columns: int):
 # Row statistics: a flat fp32 vector, copied in blocks of BLOCK_M without a swizzle.
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
-_INTEGER_ARGS = ("padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
+_INTEGER_ARGS = ("stride_ab", "stride_ah", "padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
 
 
 def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, has_right: bool,
-                           schedule: HopperBackwardSchedule, compute_dq: bool = True):
-    """The Gluon backward's compile source for one static configuration, and its constexpr values."""
+                           schedule: HopperBackwardSchedule, compute_dq: bool = True,
+                           features: ScoreFeatures = NO_FEATURES):
+    """The Gluon backward's compile source for one static configuration, and its constexpr values
+    (``features.sinks`` changes nothing in the kernel: the LSE counts them)."""
     element = "bf16" if dtype == torch.bfloat16 else "fp16"
 
     def descriptor_type(rows: int) -> str:
@@ -91,14 +93,16 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
     dq_block = schedule.dq_block(head_dim)
     constants = {"BLOCK_M": schedule.block_m, "STAGES": schedule.stages, "HAS_LEFT": has_left,
                  "HAS_RIGHT": has_right, "CONSUMERS": schedule.consumers, "COMPUTE_DQ": compute_dq,
-                 "DQ_ALTERNATE": schedule.dq_alternate(head_dim)}
+                 "DQ_ALTERNATE": schedule.dq_alternate(head_dim), "SOFTCAP": features.softcap,
+                 "ALIBI": features.alibi}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
                  "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
                  "dq_desc": f"tensordesc<fp32[1,1,{dq_block[0]},{dq_block[1]}],{_accumulator_layout(*dq_block)!r}>",
                  "lse_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>",
-                 "delta_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>", **dict.fromkeys(_INTEGER_ARGS, "i32"),
-                 "scale": "fp32", "qk_scale": "fp32", **dict.fromkeys(constants, "constexpr")}
+                 "delta_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>", "AlibiSlopes": "*fp32",
+                 **dict.fromkeys(_INTEGER_ARGS, "i32"), "scale": "fp32", "qk_scale": "fp32", "softcap_scale": "fp32",
+                 **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_backward_hopper_kernel.arg_names
     return GluonASTSource(attention_backward_hopper_kernel, signature, constants), tuple(constants.values())
 
@@ -109,10 +113,12 @@ def hopper_backward_options(schedule: HopperBackwardSchedule) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_backward(device: torch.device, dtype: torch.dtype, head_dim: int, has_left: bool,
-                             has_right: bool, schedule: HopperBackwardSchedule, compute_dq: bool = True):
+                             has_right: bool, schedule: HopperBackwardSchedule, compute_dq: bool = True,
+                             features: ScoreFeatures = NO_FEATURES):
     """Compiled once per device and static configuration; a failed build returns a
     :class:`fmha.runtime.KernelBuildError` (remembered), and the portable backward runs."""
-    return build_gluon(device, lambda: hopper_backward_source(dtype, head_dim, has_left, has_right, schedule, compute_dq),
+    return build_gluon(device, lambda: hopper_backward_source(dtype, head_dim, has_left, has_right, schedule, compute_dq,
+                                                              features),
                        hopper_backward_options(schedule), "backward")
 
 
@@ -122,14 +128,16 @@ def backward_tensors_ok(*tensors: torch.Tensor) -> bool:
 
 
 class HopperBackward:
-    """The Gluon backward for one call signature; calling it writes dq, dk and dv."""
+    """The Gluon backward for one call signature; calling it writes dq, dk and dv, and with sinks
+    ``scores.sinks_grad`` (``scores=ScoreTensors(...)`` for calls with score features)."""
 
     __slots__ = ("schedule", "compiled", "grid", "integers", "device", "padded_q", "rows_grid", "params")
 
     def __init__(self, params: AttentionParams, schedule: HopperBackwardSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
+        features = ScoreFeatures.of(params.options)
         built = compiled_hopper_backward(params.device, params.dtype, params.head_dim, has_left, has_right,
-                                         schedule)
+                                         schedule, features=features)
         if isinstance(built, KernelBuildError):
             raise built
         self.params, self.schedule, self.device = params, schedule, params.device
@@ -137,11 +145,10 @@ class HopperBackward:
         self.padded_q = -(-params.seqlen_q // 128) * 128
         self.grid = -(-params.seqlen_k // schedule.block_n) * params.batch * params.kv_heads
         self.rows_grid = (self.padded_q // ROWS_BLOCK, params.batch * params.q_heads)
-        scale = params.options.scale
         self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, params.seqlen_q,
-                         params.seqlen_k, lo, hi, scale, scale * LOG2_E, *constants)
+                         params.seqlen_k, lo, hi, params.options.scale, *features.scalars(params.options), *constants)
 
-    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv) -> None:
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, scores=None) -> None:
         p = self.params
         rows = p.batch * p.q_heads * self.padded_q
         head_dim = p.head_dim
@@ -153,10 +160,16 @@ class HopperBackward:
             out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride()[:2],
             p.q_heads, p.seqlen_q, self.padded_q,
             HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, num_warps=4, **COMPILE_OPTIONS)
+        if scores is not None and scores.sinks is not None:  # needs only the LSE and delta
+            sinks_grad_kernel[(p.q_heads,)](
+                lse2, delta, scores.sinks, scores.sinks_grad, p.q_heads * self.padded_q, self.padded_q,
+                scores.sinks.stride(0), p.batch, p.seqlen_q, BLOCK=1024, LSE_LOG2=True, **COMPILE_OPTIONS)
+        alibi, _, (stride_ab, stride_ah, _) = score_arguments(scores, lse2)
         accum = dq_accum.view(p.batch, p.q_heads, self.padded_q, head_dim)
         descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, dk, dv, accum))
         row_stats = (_HostDescriptor(lse2, [rows], [1]), _HostDescriptor(delta, [rows], [1]))
-        run_compiled(self.compiled, self.grid, self.device, (*descriptors, *row_stats, *self.integers))
+        run_compiled(self.compiled, self.grid, self.device,
+                     (*descriptors, *row_stats, alibi, stride_ab, stride_ah, *self.integers))
         finish_dq_kernel[(-(-p.seqlen_q // ROWS_BLOCK), p.batch * p.q_heads)](
             dq_accum, dq, *dq.stride(), p.q_heads, p.seqlen_q, self.padded_q, p.options.scale,
             HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, num_warps=4, **COMPILE_OPTIONS)

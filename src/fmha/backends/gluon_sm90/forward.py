@@ -48,8 +48,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...compat import cta_barrier, tma_load, tma_store
 from .masking import key_blocks, sequence_span, visible
+from .scores import modified_scores
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
+LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
 CONSUMER_WARPS = gl.constexpr(4)
 
 
@@ -195,7 +197,8 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
           VARLEN: gl.constexpr):
     """The program's step-th tile: ``(valid, batch, head, kv_head, first_row, q_start, k_start,
-    seqlen_q, seqlen_k, lo, hi, key blocks)``, its sequence's lengths and window in its own rows.
+    seqlen_q, seqlen_k, lo, hi, key blocks, sequence)``, its sequence's lengths and window in its own
+    rows; ``sequence`` is the batch index, or the packed sequence's.
 
     Packed sequences (VARLEN): ``sequences`` holds cu_seqlens_q, cu_seqlens_k and the tile list
     (:mod:`fmha.backends.triton.varlen`); tile t is entry t % E of its E entries for head t // E
@@ -216,12 +219,13 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
         seq_hi = hi + seq_k - seq_q
         blocks = key_blocks(first_row, BLOCK_M, seq_k, seq_lo, seq_hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         # Packed tensors are viewed as one batch of (1, H, total, D).
-        return seq >= 0, 0, head, head // group_size, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks
+        return (seq >= 0, 0, head, head // group_size, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks,
+                seq)
     else:
         batch, head, kv_head, first_row, blocks = _tile_coordinates(
             step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi,
             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        return True, batch, head, kv_head, first_row, 0, 0, seqlen_q, seqlen_k, lo, hi, blocks
+        return True, batch, head, kv_head, first_row, 0, 0, seqlen_q, seqlen_k, lo, hi, blocks, batch
 
 
 @gluon.jit
@@ -243,7 +247,7 @@ def _load_partition(
     ring_position = 0  # K/V blocks loaded so far, over all tiles: slot and phase of the next one
     tile_count = 0
     for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
-        valid, batch, head, kv_head, first_row, q_start, k_start, _, _, _, _, blocks = _tile(
+        valid, batch, head, kv_head, first_row, q_start, k_start, _, _, _, _, blocks, _ = _tile(
             step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
             CONSUMERS * consumer_rows, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN)
         if valid:
@@ -276,11 +280,19 @@ def _load_partition(
 def _softmax_block(
     scores,  # [ROWS, BLOCK_N] f32, Q·Kᵀ unscaled
     row_max, row_sum,  # [ROWS] f32, log2 units
-    rows, keys0, key_start, seqlen_k, lo, hi, qk_scale,
+    rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
 ):
     """Probabilities of the key block starting at key_start (its keys are key_start + keys0), the
-    accumulator's rescale factor, the new max and sum."""
+    accumulator's rescale factor, the new max and sum. ``mods``: the score features' values
+    ``(softcap_scale, slope, row_positions, key_positions)`` (:func:`_tile_mods`)."""
+    if SOFTCAP or ALIBI:
+        softcap_scale, slope, row_positions, key_positions = mods
+        # Block-relative positions: the rows' offset less the block's first key.
+        scores, _ = modified_scores(scores, (row_positions - key_start)[:, None], key_positions[None, :],
+                                    qk_scale, softcap_scale, slope, SOFTCAP, ALIBI)
+        qk_scale = 1.0  # the scores are in log2 units already
     if MASKED:
         # Block-relative keys: shift the window and the end of K by the block's first key.
         seen = visible(rows[:, None], keys0[None, :], seqlen_k - key_start, lo - key_start, hi - key_start,
@@ -296,28 +308,42 @@ def _softmax_block(
 
 
 @gluon.jit
-def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, masked,
-                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr):
+def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, key_positions, ALIBI: gl.constexpr):
+    """``(softcap_scale, slope, row_positions, key_positions)`` of a tile: its head's ALiBi slope
+    (log2 units) and the rows' positions ``i + Sk - Sq`` as floats (placeholders where off)."""
+    AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args[0], score_args[1], score_args[2], score_args[3]
+    slope = 0.0
+    if ALIBI:
+        slope = gl.load(AlibiSlopes + sequence.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
+    row_positions = (rows + (seqlen_k - seqlen_q)).to(gl.float32)
+    return softcap_scale, slope, row_positions, key_positions
+
+
+@gluon.jit
+def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, masked,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
     """The first block of a tile: nothing to rescale yet."""
     row_max = gl.full([scores.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     row_sum = gl.zeros([scores.shape[0]], gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     if masked:
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, True, HAS_LEFT, HAS_RIGHT,
-            EMULATED_EXP2)
+            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, True, HAS_LEFT,
+            HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
     else:
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, False, HAS_LEFT, HAS_RIGHT,
-            EMULATED_EXP2)
+            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, False, HAS_LEFT,
+            HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
     return probs, row_max, row_sum
 
 
 @gluon.jit
 def _pipelined_blocks(
     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
-    rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale,
+    rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
 ):
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
     sits at ring position ring_base + b."""
@@ -340,8 +366,8 @@ def _pipelined_blocks(
         scores = warpgroup_mma_wait(1, deps=(scores,))
         mbarrier.arrive(k_free.index(slot), count=1)
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale,
-            MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
+            scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods,
+            MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_free.index(prev_slot), count=1)
         acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
@@ -381,15 +407,16 @@ def _consumer_partition(
     shared,  # the runtime arguments every consumer gets, unpacked below
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
-    VARLEN: gl.constexpr,
+    VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
 ):
     if VARLEN:  # also the sequences, and the output's pointer and strides
         (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, packed) = shared
+         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args,
+         packed) = shared
         sequences, Out, stride_lh, stride_om, stride_oh = packed
     else:
         (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale) = shared
+         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args) = shared
         sequences = None
     dtype: gl.constexpr = o_desc.dtype
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
@@ -399,11 +426,12 @@ def _consumer_partition(
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
+    key_positions = keys0.to(gl.float32)
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     ring_position = 0
     tile_count = 0
     for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
-        valid, batch, head, kv_head, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks = _tile(
+        valid, batch, head, kv_head, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks, sequence = _tile(
             step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
             CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN)
         if valid:
@@ -411,6 +439,7 @@ def _consumer_partition(
             ring_base = ring_position - start  # key block b sits at ring position ring_base + b
             row0 = first_row + CONSUMER * ROWS
             rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
+            mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, key_positions, ALIBI)
             row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
             row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -427,8 +456,8 @@ def _consumer_partition(
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 mbarrier.arrive(k_free.index(slot), count=1)
                 probs, row_max, row_sum = _softmax_first_block(
-                    scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale,
-                    (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
+                    scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods,
+                    (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
                 # Blocks wholly visible to every row run without masks; the window's edges and the end
                 # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
                 unmasked_start = gl.maximum(full_start, start + 1)
@@ -437,15 +466,15 @@ def _consumer_partition(
                     acc, probs, row_max, row_sum = _pipelined_blocks(
                         acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
                         rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
-                        HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
+                        mods, HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
                 acc, probs, row_max, row_sum = _pipelined_blocks(
                     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
                     rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
-                    HEAD_DIM, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
+                    mods, HEAD_DIM, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
                 acc, probs, row_max, row_sum = _pipelined_blocks(
                     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
                     rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
-                    HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2)
+                    mods, HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
                 last = ring_position + end - start - 1
                 last_slot = last % STAGES
                 mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
@@ -458,9 +487,20 @@ def _consumer_partition(
 
             # Rows that saw no key: output 0 and LSE -inf, never 0/0.
             seen = row_sum > 0.0
-            row_sum_safe = gl.where(seen, row_sum, 1.0)
-            out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
-            lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
+            if SINKS:
+                # The sink joins the row's max and denominator: exp2(sink - top) of mass that goes nowhere.
+                Sinks, stride_sh = score_args[4], score_args[5]
+                sink = gl.load(Sinks + head.to(gl.int64) * stride_sh) * LOG2_E
+                top = gl.maximum(row_max, sink)
+                top = gl.where(top == float("-inf"), 0.0, top)
+                kept = gl.exp2(row_max - top)
+                total = gl.where(seen, row_sum * kept + gl.exp2(sink - top), 1.0)
+                out = acc * gl.convert_layout(gl.where(seen, kept / total, 0.0), o_rows)[:, None]
+                lse = gl.where(seen, (top + gl.log2(total)) * LN_2, float("-inf"))
+            else:
+                row_sum_safe = gl.where(seen, row_sum, 1.0)
+                out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
+                lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
             if VARLEN:  # (Hq, total_q)
                 lse_base = Lse + head.to(gl.int64) * stride_lh + q_start
             else:  # (B, Hq, Sq)
@@ -481,12 +521,13 @@ def _consumer_partition(
 
 @gluon.jit
 def attention_forward_hopper_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, Out, CuSeqlensQ, CuSeqlensK, Tiles, stride_lh, stride_om, stride_oh,
-    num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, num_tiles,
+    q_desc, k_desc, v_desc, o_desc, Lse, Out, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Sinks,
+    stride_lh, stride_om, stride_oh, stride_ab, stride_ah, stride_sh,
+    num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, softcap_scale, num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
     HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
-    VARLEN: gl.constexpr,
+    VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
     with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 1, 2 or 3, Q_BUFFERS 1 or 2;
@@ -494,7 +535,11 @@ def attention_forward_hopper_kernel(
 
     Packed sequences (VARLEN): the descriptors view (total, H, D) tensors as (1, H, total, D);
     seqlen_q and seqlen_k are the totals; tiles come from the list in ``Tiles``; Out (row stride
-    stride_om, head stride stride_oh) takes the rows of a tile that ends past its sequence."""
+    stride_om, head stride stride_oh) takes the rows of a tile that ends past its sequence.
+
+    Score features (:mod:`fmha.backends.gluon_sm90.scores`): SOFTCAP (``qk_scale`` is then
+    ``scale / softcap``, ``softcap_scale`` is ``softcap · log2 e``), ALIBI (slopes (B, Hq) through
+    stride_ab, stride_ah; stride_ab 0 for (Hq,)), SINKS (one per query head, stride_sh)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
@@ -516,8 +561,9 @@ def attention_forward_hopper_kernel(
         mbarrier.init(k_free.index(slot), count=CONSUMERS)  # one arrival per consumer
         mbarrier.init(v_free.index(slot), count=CONSUMERS)
 
+    score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, Sinks, stride_sh)
     shared = (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
-              num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale)
+              num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args)
     load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
                  num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi)
     if VARLEN:  # the partitions also get the sequences (and the consumers the output's pointer and strides);
@@ -528,20 +574,26 @@ def attention_forward_hopper_kernel(
     # The registers go to the consumers (setmaxnreg): the load warp needs few.
     if CONSUMERS == 1:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI, SINKS)),
              (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI, SINKS)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI, SINKS)),
              (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
-             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN)),
+            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI, SINKS)),
+             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI, SINKS)),
+             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI, SINKS)),
              (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -43,16 +44,53 @@ class _HostDescriptor:
         return cls(tensor, [1, tensor.shape[1], tensor.shape[0], tensor.shape[2]], [16, heads, tokens, 1])
 
 
-_STRIDE_ARGS = ("stride_lh", "stride_om", "stride_oh")
+@dataclass(frozen=True)
+class ScoreFeatures:
+    """The score features a Gluon kernel is built with (fmha.backends.gluon_sm90.scores)."""
+
+    softcap: bool = False
+    alibi: bool = False
+    sinks: bool = False
+
+    @classmethod
+    def of(cls, options) -> "ScoreFeatures":
+        return cls(options.softcap > 0, options.has_alibi, options.has_sinks)
+
+    def scalars(self, options) -> tuple[float, float]:
+        """``(qk_scale, softcap_scale)``: ``scale / softcap`` and ``softcap · log2 e`` with a softcap,
+        else ``scale · log2 e`` (and an unread 0)."""
+        if self.softcap:
+            return options.scale / options.softcap, options.softcap * LOG2_E
+        return options.scale * LOG2_E, 0.0
+
+
+NO_FEATURES = ScoreFeatures()
+
+
+def score_arguments(scores, placeholder: torch.Tensor) -> tuple:
+    """``(alibi_slopes, sinks, (stride_ab, stride_ah, stride_sh))`` of a call's ScoreTensors; a
+    feature that is off gets ``placeholder`` (never read) and stride 0."""
+    alibi = sinks = None
+    if scores is not None:
+        alibi, sinks = scores.alibi_slopes, scores.sinks
+    strides = [0, 0, 0]
+    if alibi is not None:
+        strides[0:2] = alibi.stride() if alibi.ndim == 2 else (0, alibi.stride(0))
+    if sinks is not None:
+        strides[2] = sinks.stride(0)
+    return (placeholder if alibi is None else alibi, placeholder if sinks is None else sinks, tuple(strides))
+
+
+_STRIDE_ARGS = ("stride_lh", "stride_om", "stride_oh", "stride_ab", "stride_ah", "stride_sh")
 _INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
 
 
 def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, schedule: HopperSchedule,
-                          has_left: bool = False, varlen: bool = False):
+                          has_left: bool = False, varlen: bool = False, features: ScoreFeatures = NO_FEATURES):
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
     ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one;
-    ``varlen``: packed sequences.
+    ``varlen``: packed sequences; ``features``: softcap, ALiBi and sinks switched on.
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
     """
@@ -64,11 +102,13 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
     constants = {"HEAD_DIM": head_dim, "BLOCK_N": schedule.block_n, "STAGES": schedule.stages,
                  "HAS_LEFT": has_left, "HAS_RIGHT": causal,
                  "CONSUMERS": schedule.consumers, "EMULATED_EXP2": schedule.emulated_exp2,
-                 "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm, "VARLEN": varlen}
+                 "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm, "VARLEN": varlen,
+                 "SOFTCAP": features.softcap, "ALIBI": features.alibi, "SINKS": features.sinks}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",
-                 **dict.fromkeys(_STRIDE_ARGS, "i32"), **dict.fromkeys(_INTEGER_ARGS, "i32"), "qk_scale": "fp32",
+                 "AlibiSlopes": "*fp32", "Sinks": "*fp32", **dict.fromkeys(_STRIDE_ARGS, "i32"),
+                 **dict.fromkeys(_INTEGER_ARGS, "i32"), "qk_scale": "fp32", "softcap_scale": "fp32",
                  "num_tiles": "i32", **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_forward_hopper_kernel.arg_names
     return GluonASTSource(attention_forward_hopper_kernel, signature, constants), tuple(constants.values())
@@ -82,13 +122,15 @@ def hopper_compile_options(schedule: HopperSchedule) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
-                            schedule: HopperSchedule, has_left: bool = False, varlen: bool = False):
+                            schedule: HopperSchedule, has_left: bool = False, varlen: bool = False,
+                            features: ScoreFeatures = NO_FEATURES):
     """Compiled once per device and static configuration (Triton's disk cache still applies).
 
     A failed build is remembered too, and raises :class:`fmha.runtime.KernelBuildError` (the
     dispatcher then falls back to the portable kernel) on every later request.
     """
-    return build_gluon(device, lambda: hopper_forward_source(dtype, head_dim, causal, schedule, has_left, varlen),
+    return build_gluon(device, lambda: hopper_forward_source(dtype, head_dim, causal, schedule, has_left, varlen,
+                                                             features),
                        hopper_compile_options(schedule), "forward")
 
 
@@ -119,16 +161,17 @@ class HopperForward:
     """The Gluon forward for one call signature and schedule; calling it writes ``out`` and ``lse``.
 
     Packed sequences (varlen) also pass ``cu_seqlens_q`` and ``cu_seqlens_k``; their tile list is
-    made before each launch.
+    made before each launch. Calls with score features pass ``scores=ScoreTensors(...)``.
     """
 
-    __slots__ = ("schedule", "compiled", "grid", "integers", "device", "tile_list", "varlen")
+    __slots__ = ("schedule", "compiled", "grid", "integers", "scalars", "device", "tile_list", "varlen")
 
     def __init__(self, params: AttentionParams, schedule: HopperSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
         self.schedule, self.device, self.varlen = schedule, params.device, params.varlen
+        features = ScoreFeatures.of(params.options)
         built = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right, schedule, has_left,
-                                        params.varlen)
+                                        params.varlen, features)
         if isinstance(built, KernelBuildError):
             raise built
         compiled, constants = built
@@ -147,10 +190,10 @@ class HopperForward:
             self.grid = min((num_tiles + 1) // 2, schedule.ctas_per_sm * multiprocessors(params.device))
         else:
             self.grid = min(num_tiles, schedule.ctas_per_sm * multiprocessors(params.device))
-        self.integers = (params.q_heads, params.group, seqlen_q, seqlen_k, lo, hi,
-                         params.options.scale * LOG2_E, num_tiles, *constants)
+        self.integers = (params.q_heads, params.group, seqlen_q, seqlen_k, lo, hi, *features.scalars(params.options),
+                         num_tiles, *constants)
 
-    def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None):
+    def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, scores=None):
         if self.varlen:
             tiles = self.tile_list(cu_seqlens_q)
             descriptors = (_HostDescriptor.packed(q), _HostDescriptor.packed(k), _HostDescriptor.packed(v),
@@ -161,6 +204,7 @@ class HopperForward:
             descriptors = (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out))
             strides = (0, 0, 0)
             sequences = (lse, lse, lse)
+        alibi, sinks, score_strides = score_arguments(scores, lse)
         run_compiled(self.compiled, self.grid, self.device,
-                     (*descriptors, lse, out, *sequences, *strides, *self.integers))
+                     (*descriptors, lse, out, *sequences, alibi, sinks, *strides, *score_strides, *self.integers))
         return self.compiled

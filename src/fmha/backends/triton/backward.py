@@ -60,8 +60,9 @@ def backward_preprocess_kernel(
 
 @triton.jit
 def sinks_grad_kernel(Lse, Delta, Sinks, SinksGrad, stride_lb, stride_lh, stride_sh, batch, seqlen_q,
-                      BLOCK: tl.constexpr):
-    """Program h: ``SinksGrad[h] = -sum over batches and rows of exp(sinks[h] - lse) * delta``.
+                      BLOCK: tl.constexpr, LSE_LOG2: tl.constexpr = False):
+    """Program h: ``SinksGrad[h] = -sum over batches and rows of exp(sinks[h] - lse) * delta``
+    (LSE_LOG2: the LSE is in log2 units, as the Hopper backward keeps it; Lse and Delta share strides).
 
     The sink's probability takes mass from every key and gives the output nothing, so its score's
     gradient is ``P(sink) * (0 - delta)``; a row that saw no key (LSE -inf) adds 0. One program per
@@ -69,6 +70,8 @@ def sinks_grad_kernel(Lse, Delta, Sinks, SinksGrad, stride_lb, stride_lh, stride
     """
     head = tl.program_id(0)
     sink = tl.load(Sinks + head * stride_sh)
+    if LSE_LOG2:
+        sink = sink * 1.4426950408889634
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for b in range(0, batch):
         base = tl.cast(b, tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
@@ -77,7 +80,10 @@ def sinks_grad_kernel(Lse, Delta, Sinks, SinksGrad, stride_lb, stride_lh, stride
             lse = tl.load(Lse + base + rows, mask=rows < seqlen_q, other=float("inf"))
             lse = tl.where(lse == float("-inf"), float("inf"), lse)  # P(sink) = 0, not inf * 0
             delta = tl.load(Delta + base + rows, mask=rows < seqlen_q, other=0.0)
-            total += tl.exp(sink - lse) * delta
+            if LSE_LOG2:
+                total += tl.math.exp2(sink - lse) * delta
+            else:
+                total += tl.exp(sink - lse) * delta
     tl.store(SinksGrad + head, -tl.sum(total, 0))
 
 
