@@ -38,6 +38,20 @@ def feature_tensors(heads, kwargs, device="cuda"):
     return out
 
 
+def kernel_times(fn) -> dict[str, float]:
+    """Microseconds per kernel of one call (torch.profiler), the longest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in profile.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name[:60]] = times.get(event.name[:60], 0.0) + event.device_time
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
 def main(path):
     rows = []
     for name, batch, heads, s, d, kwargs in CASES:
@@ -49,31 +63,33 @@ def main(path):
         providers = {"fmha": {}, "portable": {"config": PORTABLE}}
         if "softcap" in kwargs:
             providers.update({f"gluon {schedule.text()}": {"config": schedule} for schedule in SOFTCAP_SCHEDULES})
+        calls = {}
+        inference = [t.detach() for t in (q, k, v)]  # the forward alone is timed without autograd
         for provider, extra in providers.items():
-            def forward():
-                return fmha.attention(q, k, v, causal=True, **features, **extra)
+            def forward(extra=extra):
+                return fmha.attention(*inference, causal=True, **features, **extra)
 
-            def forward_backward():
-                out = forward()
-                torch.autograd.backward(out, dout)
+            def forward_backward(extra=extra):
+                torch.autograd.backward(fmha.attention(q, k, v, causal=True, **features, **extra), dout)
 
-            explanation = fmha.explain(q, k, v, causal=True, **features, **extra)
-            fwd_ms, _ = time_ms(lambda: forward())
-            both_ms, _ = time_ms(forward_backward)
-            row = {"case": name, "provider": provider, "runs": f"{explanation.backend}; backward {explanation.backward}",
-                   "fwd_ms": fwd_ms, "fwdbwd_ms": both_ms, "fwd_tflops": flops / fwd_ms / 1e9,
-                   "fwdbwd_tflops": 3.5 * flops / both_ms / 1e9}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            forward_backward()  # compile before anything is timed
+            calls[provider] = (forward, forward_backward, fmha.explain(q, k, v, causal=True, **features, **extra))
         if not kwargs:
-            def cudnn():
+            def cudnn(q=q, k=k, v=v):
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return scaled_dot_product_attention(q, k, v, is_causal=True)
 
-            fwd_ms, _ = time_ms(cudnn)
-            both_ms, _ = time_ms(lambda: torch.autograd.backward(cudnn(), dout))
-            row = {"case": name, "provider": "sdpa_cudnn", "fwd_ms": fwd_ms, "fwdbwd_ms": both_ms,
+            calls["sdpa_cudnn"] = (lambda: cudnn(*inference), lambda: torch.autograd.backward(cudnn(), dout), None)
+        for provider, (forward, forward_backward, explanation) in calls.items():
+            time_ms(forward_backward)  # the clocks settle on this case
+            fwd_ms, _ = time_ms(forward)
+            both_ms, _ = time_ms(forward_backward)
+            row = {"case": name, "provider": provider, "fwd_ms": fwd_ms, "fwdbwd_ms": both_ms,
                    "fwd_tflops": flops / fwd_ms / 1e9, "fwdbwd_tflops": 3.5 * flops / both_ms / 1e9}
+            if explanation is not None:
+                row["runs"] = f"{explanation.backend}; backward {explanation.backward}"
+            if provider == "fmha" and (kwargs.get("sinks") or name == "plain D64"):
+                row["kernels_us"] = kernel_times(forward_backward)
             rows.append(row)
             print(json.dumps(row), flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

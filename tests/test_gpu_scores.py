@@ -38,18 +38,15 @@ def feature_kwargs(name):
 FEATURES = ["softcap", "softcap_small", "alibi_batched", "sinks", "all"]
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlen_q, seqlen_k", LENGTHS)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", FEATURES)
-def test_features_forward_and_backward_gpu(name, head_dim, seqlen_q, seqlen_k, causal):
-    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((name, head_dim, seqlen_q, causal)) % 2**31, grad=True)
+def check_features(q, k, v, name, causal, **attention_kwargs):
+    """Output, LSE and gradients (the sinks' too) of one feature set against float64."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     kwargs = feature_kwargs(name)
     leaves = (q, k, v)
     if "sinks" in kwargs:
         kwargs["sinks"] = kwargs["sinks"].clone().requires_grad_()
         leaves += (kwargs["sinks"],)
-    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
+    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True, **attention_kwargs, **kwargs)
     offset = dict(causal_offset=seqlen_k - seqlen_q) if causal else {}
     constants = {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
     assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), lse=lse, atol=1e-5, **offset,
@@ -57,6 +54,15 @@ def test_features_forward_and_backward_gpu(name, head_dim, seqlen_q, seqlen_k, c
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, dout)
     assert_grads_close(grads, q, k, v, dout, **offset, **kwargs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", LENGTHS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", FEATURES)
+def test_features_forward_and_backward_gpu(name, head_dim, seqlen_q, seqlen_k, causal):
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((name, head_dim, seqlen_q, causal)) % 2**31, grad=True)
+    check_features(q, k, v, name, causal)
 
 
 HOPPER_FEATURES = ["softcap", "softcap_small", "alibi", "alibi_batched", "sinks", "all"]
@@ -71,21 +77,9 @@ def test_hopper_kernels_with_score_features_gpu(name, head_dim, seqlen_q, seqlen
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are built for sm_90")
     q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((name, head_dim, seqlen_k, causal, "hopper")) % 2**31, grad=True)
-    kwargs = feature_kwargs(name)
-    explanation = fmha.explain(q, k, v, causal=causal, config=fmha.HopperSchedule(), **kwargs)
+    explanation = fmha.explain(q, k, v, causal=causal, config=fmha.HopperSchedule(), **feature_kwargs(name))
     assert explanation.backend == "gluon_sm90" and explanation.backward.startswith("gluon_sm90"), str(explanation)
-    leaves = (q, k, v)
-    if "sinks" in kwargs:
-        kwargs["sinks"] = kwargs["sinks"].clone().requires_grad_()
-        leaves += (kwargs["sinks"],)
-    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True, config=fmha.HopperSchedule(), **kwargs)
-    offset = dict(causal_offset=seqlen_k - seqlen_q) if causal else {}
-    constants = {key: value.detach() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
-    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), lse=lse, atol=1e-5, **offset,
-                              **constants)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, dout)
-    assert_grads_close(grads, q, k, v, dout, **offset, **kwargs)
+    check_features(q, k, v, name, causal, config=fmha.HopperSchedule())
 
 
 @pytest.mark.parametrize("window", [(255, 0), (100, 100)], ids=lambda window: f"left{window[0]}-right{window[1]}")

@@ -209,7 +209,7 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, 
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     hopper = None
-    if config is None and params.device.type == "cuda":
+    if config is None and params.device.type == "cuda" and not params.varlen:  # (B, H, S, D) tensors only
         if not tma_compatible(dout):  # e.g. the expanded gradient of a sum
             dout = dout.contiguous()
         hopper, _ = hopper_backward(params, dout, q, k, v, dq, dk, dv)
