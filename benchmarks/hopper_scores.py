@@ -17,6 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 import fmha
+from fmha import dispatch
+from fmha.backends.gluon_sm90 import launch
 from fmha.testing import time_ms
 
 # (name, B, H, S, D, feature keyword arguments): causal, bf16.
@@ -36,6 +38,19 @@ def feature_tensors(heads, kwargs, device="cuda"):
     if kwargs.get("sinks"):
         out["sinks"] = torch.randn(heads, device=device).requires_grad_()
     return out
+
+
+def two_sided_alibi(q, k, v, features):
+    """Prepare these calls' forwards with ALiBi's general form (|pos(i) - j|), not the causal one."""
+    general = launch.ScoreFeatures.of
+    original = launch.ScoreFeatures.forward_of
+    launch.ScoreFeatures.forward_of = classmethod(lambda cls, params: general(params.options))
+    try:
+        dispatch.forget()
+        for tensors in ((q, k, v), [t.detach() for t in (q, k, v)]):
+            fmha.attention(*tensors, causal=True, **features)
+    finally:
+        launch.ScoreFeatures.forward_of = original
 
 
 def kernel_times(fn) -> dict[str, float]:
@@ -63,27 +78,37 @@ def main(path):
         providers = {"fmha": {}, "portable": {"config": PORTABLE}}
         if "softcap" in kwargs:
             providers.update({f"gluon {schedule.text()}": {"config": schedule} for schedule in SOFTCAP_SCHEDULES})
-        calls = {}
+        if kwargs.get("alibi"):
+            providers["gluon, ALiBi's two-sided form"] = {"two_sided_alibi": True}
         inference = [t.detach() for t in (q, k, v)]  # the forward alone is timed without autograd
+        calls = {}
         for provider, extra in providers.items():
+            extra = dict(extra)
+
             def forward(extra=extra):
                 return fmha.attention(*inference, causal=True, **features, **extra)
 
             def forward_backward(extra=extra):
                 torch.autograd.backward(fmha.attention(q, k, v, causal=True, **features, **extra), dout)
 
-            forward_backward()  # compile before anything is timed
-            calls[provider] = (forward, forward_backward, fmha.explain(q, k, v, causal=True, **features, **extra))
+            calls[provider] = (forward, forward_backward, extra.pop("two_sided_alibi", False),
+                               fmha.explain(q, k, v, causal=True, **features, **extra))
         if not kwargs:
             def cudnn(q=q, k=k, v=v):
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return scaled_dot_product_attention(q, k, v, is_causal=True)
 
-            calls["sdpa_cudnn"] = (lambda: cudnn(*inference), lambda: torch.autograd.backward(cudnn(), dout), None)
-        for provider, (forward, forward_backward, explanation) in calls.items():
+            calls["sdpa_cudnn"] = (lambda: cudnn(*inference), lambda: torch.autograd.backward(cudnn(), dout), False,
+                                   None)
+        for provider, (forward, forward_backward, two_sided, explanation) in calls.items():
+            if two_sided:
+                two_sided_alibi(q, k, v, features)
+            forward_backward()  # compile first
             time_ms(forward_backward)  # the clocks settle on this case
             fwd_ms, _ = time_ms(forward)
             both_ms, _ = time_ms(forward_backward)
+            if two_sided:
+                dispatch.forget()  # later calls prepare the default form again
             row = {"case": name, "provider": provider, "fwd_ms": fwd_ms, "fwdbwd_ms": both_ms,
                    "fwd_tflops": flops / fwd_ms / 1e9, "fwdbwd_tflops": 3.5 * flops / both_ms / 1e9}
             if explanation is not None:

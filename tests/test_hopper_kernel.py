@@ -47,7 +47,8 @@ for variant in json.loads(sys.argv[1]):
     schedule = HopperSchedule(block_n=block_n, stages=stages, consumers=consumers, emulated_exp2=emulated_exp2,
                               q_buffers=q_buffers, ctas_per_sm=ctas_per_sm)
     # The very source, signature and options the launcher compiles on a GPU.
-    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi="alibi" in extra, sinks="sinks" in extra)
+    alibi = 2 if "alibi_causal" in extra else int("alibi" in extra)
+    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=alibi, sinks="sinks" in extra)
     source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left="left" in extra,
                                              varlen="varlen" in extra, features=features)
     try:
@@ -78,7 +79,8 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (128, True, 2, 128, 2, 0, 2, 1, "left", "varlen"),
             (128, True, 2, 128, 2, 0, 2, 1, "softcap"), (64, False, 2, 128, 2, 8, 2, 1, "softcap"),
             (128, False, 2, 128, 2, 0, 2, 1, "softcap", "alibi", "sinks"),
-            (64, True, 2, 128, 2, 8, 2, 1, "alibi", "sinks", "left", "varlen")]
+            (64, True, 2, 128, 2, 8, 2, 1, "alibi", "sinks", "left", "varlen"),
+            (128, True, 2, 128, 2, 0, 2, 1, "alibi_causal"), (64, True, 2, 128, 2, 8, 2, 1, "alibi_causal", "softcap")]
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +265,16 @@ def test_compat_resolves_this_triton():
     finally:
         triton.knobs.runtime.launch_enter_hook.remove(listener)
     assert compat._release("3.9.0+git1234") == (3, 9, 0) and compat._release("3.10") == (3, 10, 0)
+
+
+@pytest.mark.parametrize("options, expected", [
+    (dict(causal=True), 2), (dict(), 1), (dict(window=(100, 0)), 2), (dict(window=(100, 3)), 1),
+    (dict(causal=True, top_left=True), 2)])
+def test_alibi_takes_its_causal_form_only_where_no_key_follows_a_row(options, expected):
+    """ALiBi's one-sided form is exact only when every visible key j of row i has j <= i + Sk - Sq."""
+    from fmha.backends.gluon_sm90 import launch
+
+    q = torch.empty(1, 2, 100, 64, dtype=torch.float16)
+    k = torch.empty(1, 2, 300, 64, dtype=torch.float16)
+    params = attention_params("test", q, k, k, alibi_slopes=torch.ones(2), **options)
+    assert launch.ScoreFeatures.forward_of(params).alibi == expected

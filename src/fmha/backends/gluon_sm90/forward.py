@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...compat import cta_barrier, tma_load, tma_store
 from .masking import key_blocks, sequence_span, visible
-from .scores import modified_scores
+from .scores import ALIBI_CAUSAL, tanh_approx
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -286,22 +286,37 @@ def _softmax_block(
 ):
     """Probabilities of the key block starting at key_start (its keys are key_start + keys0), the
     accumulator's rescale factor, the new max and sum. ``mods``: the score features' values
-    ``(softcap_scale, slope, row_positions, key_positions)`` (:func:`_tile_mods`)."""
+    ``(softcap_scale, slope, row_positions, key_term)`` (:func:`_tile_mods`).
+
+    Each score is ``scores * qk_scale + row_shift`` in log2 units: without ALiBi the row shift is 0
+    and the scale joins the max's subtraction in one FMA per score. With ALIBI_CAUSAL every visible
+    key sits at or before its row's position, so ``-slope · |pos(i) - j|`` splits into a term per
+    key of the block (``slope · keys0``, the tile's ``key_term``) and one per row
+    (``slope · (key_start - pos(i))``): one FMA per score instead of a subtraction, an absolute value
+    and an FMA, and the block-relative terms stay small (no cancellation against large positions)."""
+    row_shift = 0.0
     if SOFTCAP or ALIBI:
-        softcap_scale, slope, row_positions, key_positions = mods
-        # Block-relative positions: the rows' offset less the block's first key.
-        scores, _ = modified_scores(scores, (row_positions - key_start)[:, None], key_positions[None, :],
-                                    qk_scale, softcap_scale, slope, SOFTCAP, ALIBI)
-        qk_scale = 1.0  # the scores are in log2 units already
+        softcap_scale, slope, row_positions, key_term = mods
+        if SOFTCAP:
+            scores = tanh_approx(scores * qk_scale)
+            qk_scale = softcap_scale
+        if ALIBI == ALIBI_CAUSAL:
+            scores = scores * qk_scale + key_term[None, :]
+            row_shift = slope * (key_start - row_positions)
+            qk_scale = 1.0
+        elif ALIBI:  # the distance both ways; block-relative positions
+            distance = (row_positions - key_start)[:, None] - key_term[None, :]
+            scores = scores * qk_scale - slope * gl.abs(distance)
+            qk_scale = 1.0
     if MASKED:
         # Block-relative keys: shift the window and the end of K by the block's first key.
         seen = visible(rows[:, None], keys0[None, :], seqlen_k - key_start, lo - key_start, hi - key_start,
                        HAS_LEFT, HAS_RIGHT)
         scores = gl.where(seen, scores, float("-inf"))
-    new_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale)
+    new_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale + row_shift)
     # A row that has seen no key keeps max = -inf; subtracting 0 gives exp2(-inf) = 0, not NaN.
     new_max_safe = gl.where(new_max == float("-inf"), 0.0, new_max)
-    probs = _exp2(scores * qk_scale - new_max_safe[:, None], EMULATED_EXP2)
+    probs = _exp2(scores * qk_scale - (new_max_safe - row_shift)[:, None], EMULATED_EXP2)
     rescale = gl.exp2(row_max - new_max_safe)
     row_sum = row_sum * rescale + gl.sum(probs, 1)
     return probs, rescale, new_max, row_sum
@@ -309,14 +324,18 @@ def _softmax_block(
 
 @gluon.jit
 def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, key_positions, ALIBI: gl.constexpr):
-    """``(softcap_scale, slope, row_positions, key_positions)`` of a tile: its head's ALiBi slope
-    (log2 units) and the rows' positions ``i + Sk - Sq`` as floats (placeholders where off)."""
+    """``(softcap_scale, slope, row_positions, key_term)`` of a tile: its head's ALiBi slope (log2
+    units), the rows' positions ``i + Sk - Sq`` as floats, and per key of a block its position
+    (``keys0``), or with ALIBI_CAUSAL its bias ``slope · keys0`` (placeholders where off)."""
     AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args[0], score_args[1], score_args[2], score_args[3]
     slope = 0.0
+    key_term = key_positions
     if ALIBI:
         slope = gl.load(AlibiSlopes + sequence.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
+        if ALIBI == ALIBI_CAUSAL:
+            key_term = slope * key_positions
     row_positions = (rows + (seqlen_k - seqlen_q)).to(gl.float32)
-    return softcap_scale, slope, row_positions, key_positions
+    return softcap_scale, slope, row_positions, key_term
 
 
 @gluon.jit
@@ -539,7 +558,8 @@ def attention_forward_hopper_kernel(
 
     Score features (:mod:`fmha.backends.gluon_sm90.scores`): SOFTCAP (``qk_scale`` is then
     ``scale / softcap``, ``softcap_scale`` is ``softcap · log2 e``), ALIBI (slopes (B, Hq) through
-    stride_ab, stride_ah; stride_ab 0 for (Hq,)), SINKS (one per query head, stride_sh)."""
+    stride_ab, stride_ah; stride_ab 0 for (Hq,); ALIBI_CAUSAL where no row sees a key after its
+    position), SINKS (one per query head, stride_sh)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -46,15 +47,29 @@ class _HostDescriptor:
 
 @dataclass(frozen=True)
 class ScoreFeatures:
-    """The score features a Gluon kernel is built with (fmha.backends.gluon_sm90.scores)."""
+    """The score features a Gluon kernel is built with (fmha.backends.gluon_sm90.scores); ``alibi``
+    is the ALIBI constexpr: 0 off, 1 any window, 2 (forward only) no key after a row's position."""
 
     softcap: bool = False
-    alibi: bool = False
+    alibi: int = 0
     sinks: bool = False
 
     @classmethod
     def of(cls, options) -> "ScoreFeatures":
-        return cls(options.softcap > 0, options.has_alibi, options.has_sinks)
+        return cls(options.softcap > 0, int(options.has_alibi), options.has_sinks)
+
+    @classmethod
+    def forward_of(cls, params: AttentionParams) -> "ScoreFeatures":
+        """As :meth:`of`, with ALiBi's causal form where every visible key j of row i has
+        j <= i + Sk - Sq (ALiBi's position of the row): a right bound at or before it."""
+        features = cls.of(params.options)
+        if features.alibi:
+            has_left, has_right, lo, hi = window_bounds(params)
+            # Packed sequences add their own Sk - Sq to hi in the kernel; dense bounds include it.
+            alibi_offset = 0 if params.varlen else params.seqlen_k - params.seqlen_q
+            if has_right and hi <= alibi_offset:
+                features = dataclasses.replace(features, alibi=2)
+        return features
 
     def scalars(self, options) -> tuple[float, float]:
         """``(qk_scale, softcap_scale)``: ``scale / softcap`` and ``softcap · log2 e`` with a softcap,
@@ -169,7 +184,7 @@ class HopperForward:
     def __init__(self, params: AttentionParams, schedule: HopperSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
         self.schedule, self.device, self.varlen = schedule, params.device, params.varlen
-        features = ScoreFeatures.of(params.options)
+        features = ScoreFeatures.forward_of(params)
         built = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right, schedule, has_left,
                                         params.varlen, features)
         if isinstance(built, KernelBuildError):

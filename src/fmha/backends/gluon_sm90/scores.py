@@ -16,6 +16,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 
+# The ALIBI constexpr: off, the distance both ways, or only keys at or before each row's position
+# (causal without a right window), where the bias is linear in the key.
+ALIBI_OFF: gl.constexpr = gl.constexpr(0)
+ALIBI_ANY: gl.constexpr = gl.constexpr(1)
+ALIBI_CAUSAL: gl.constexpr = gl.constexpr(2)
+
+
 @gluon.jit
 def tanh_approx(x):
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
