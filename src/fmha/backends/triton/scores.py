@@ -21,6 +21,11 @@ import triton.language as tl
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 TWO_LOG2_E: tl.constexpr = tl.constexpr(2.8853900817779268)
 
+# The SOFTCAP constexpr: off, or the tanh that caps the scores (:func:`exact_tanh`, :func:`fast_tanh`).
+NO_SOFTCAP: tl.constexpr = tl.constexpr(0)
+EXACT_TANH: tl.constexpr = tl.constexpr(1)
+FAST_TANH: tl.constexpr = tl.constexpr(2)
+
 # SDPA's attn_mask, the MASK constexpr.
 NO_MASK: tl.constexpr = tl.constexpr(0)
 BOOL_MASK: tl.constexpr = tl.constexpr(1)
@@ -28,16 +33,27 @@ FLOAT_MASK: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def tanh(x):
-    """``1 - 2 / (exp(2x) + 1)``: one exp2 and one fast division, exact at both tails (±1, never NaN)."""
+def exact_tanh(x):
+    """``1 - 2 / (exp(2x) + 1)``: one exp2 and one fast division, exact at both tails (±1, never NaN).
+    Runs everywhere: the interpreter, float32 inputs, GPUs other than NVIDIA's."""
     return 1.0 - tl.fdiv(2.0, tl.math.exp2(x * TWO_LOG2_E) + 1.0)
+
+
+@triton.jit
+def fast_tanh(x):
+    """One ``tanh.approx.f32`` (NVIDIA, sm_75 and later), as FlashAttention-3 caps its scores: half the
+    special-function work of :func:`exact_tanh`. Its relative error is at most about 2^-11, below the
+    rounding of the 16-bit probabilities that P·V multiplies, so the launcher picks it for 16-bit inputs."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
 def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slope, mask_ptr, stride_mm, stride_mn,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr):
     """``(scores, capped)`` of one tile: the scores in log2 units, and ``tanh(·)`` of the softcap
-    (whose derivative ``1 - capped²`` the backward needs; ``raw`` when SOFTCAP is off).
+    (whose derivative ``1 - capped²`` the backward needs; ``raw`` when SOFTCAP is off). SOFTCAP is
+    NO_SOFTCAP, EXACT_TANH or FAST_TANH; the backward recomputes ``capped`` with the forward's tanh.
 
     ``raw`` is Q·Kᵀ; ``rows`` and ``keys`` are integer tiles that broadcast to its shape ([M, 1] and
     [1, N], or [1, M] and [N, 1] for a transposed tile). ``qk_scale`` is ``scale · log2 e``, or
@@ -45,7 +61,10 @@ def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slo
     ``slope`` is the head's ALiBi slope · log2 e; ``mask_ptr`` points at the (batch, head)'s attn_mask.
     """
     if SOFTCAP:
-        capped = tanh(raw * qk_scale)
+        if SOFTCAP == FAST_TANH:
+            capped = fast_tanh(raw * qk_scale)
+        else:
+            capped = exact_tanh(raw * qk_scale)
         scores = capped * softcap_scale
     else:
         capped = raw
