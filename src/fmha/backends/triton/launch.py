@@ -9,6 +9,7 @@ kernel directly with the integer arguments computed once.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -53,23 +54,34 @@ def softcap_tanh(params: AttentionParams) -> int:
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """A word of 32 random bits >= this keeps its probability: P(keep) = 1 - p (to 2^-32)."""
-    return min(int(dropout_p * 2.0 ** 32), 2 ** 32 - 1)
+    """A score's 16 random bits (fmha.backends.triton.scores.dropout_keep) >= this keep it:
+    ``round(p · 2^16)``, from 0 (keep all) to 2^16 (drop all)."""
+    return math.floor(dropout_p * 2 ** 16 + 0.5)
 
 
-def dropout_keep_mask(rng_state: torch.Tensor, rows: int, keys: int, dropout_p: float) -> torch.Tensor:
+def kernel_dropout_p(dropout_p: float) -> float:
+    """The drop probability the kernels realise: p to the nearest multiple of 2^-16. The kept
+    probabilities are scaled by ``1 / (1 - kernel_dropout_p(p))``, so each stays unbiased."""
+    return dropout_threshold(dropout_p) / 2 ** 16
+
+
+def dropout_keep_mask(rng_state: torch.Tensor, rows: int, keys: int, dropout_p: float,
+                      block_keys: int = 16) -> torch.Tensor:
     """The (rows, keys) bool pattern the kernels keep for the philox key ``rng_state`` (a testing aid).
 
     Rows are numbered as the kernels number them: (batch, head, row) flattened for dense calls, so
     the pattern is ``.view(B, Hq, Sq, Sk)``; (head, packed token) for packed sequences, with keys
     the packed total: ``.view(Hq, total_q, total_k)``, sequence b's keys counted from its start.
+    ``block_keys`` (a power of two >= 16) is the tile width it is made with; the pattern is the same
+    for every width.
     """
     keep = torch.empty((rows, keys), dtype=torch.bool, device=rng_state.device)
     if keep.numel() == 0:
         return keep
     block = 16
-    dropout_mask_kernel[(triton.cdiv(rows, block), triton.cdiv(keys, block))](
-        rng_state, keep, rows, keys, dropout_threshold(dropout_p), BLOCK_M=block, BLOCK_N=block, **COMPILE_OPTIONS)
+    dropout_mask_kernel[(triton.cdiv(rows, block), triton.cdiv(keys, block_keys))](
+        rng_state, keep, rows, keys, dropout_threshold(dropout_p), BLOCK_M=block, BLOCK_N=block_keys,
+        **COMPILE_OPTIONS)
     return keep
 
 
@@ -91,8 +103,9 @@ class ScoreLaunch:
         self.constants = dict(SOFTCAP=softcap_tanh(params) if softcap > 0 else NO_SOFTCAP, ALIBI=options.has_alibi,
                               MASK=mask, SINKS=options.has_sinks, DROPOUT=p > 0)
         qk_scale = options.scale / softcap if softcap > 0 else options.scale * LOG2_E
-        # p = 1 drops everything through dropout_scale = 0 (no 1/0).
-        self.scalars = (qk_scale, softcap * LOG2_E, dropout_threshold(p), 1.0 / (1.0 - p) if p < 1.0 else 0.0)
+        # Dropping everything (p rounds to 1) scales by 0, not 1/0.
+        kept = 1.0 - kernel_dropout_p(p)
+        self.scalars = (qk_scale, softcap * LOG2_E, dropout_threshold(p), 1.0 / kept if kept > 0 else 0.0)
         # The forward may fold the scores' last factor into the exponent if it is positive: the scale,
         # or softcap · log2 e after a softcap's tanh. A bias must be added before the row max.
         self.fused_scale_ok = not (options.has_alibi or options.attn_mask_kind) and (softcap > 0 or options.scale > 0)

@@ -87,16 +87,21 @@ def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slo
 def dropout_keep(seed, row_counters, first_key, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool tile: which probabilities of keys [first_key, first_key + BLOCK_N) survive dropout.
 
-    Philox (key ``seed``) gives four 32-bit words per counter: key j of a row uses word j % 4 of
-    counter ``row_counters[row] + j // 4``, so a score's bits depend on its (row, key) alone and the
-    backward, whatever its tiles, regenerates the forward's. A word >= ``threshold`` (about
-    ``dropout_p · 2³²``) keeps its score. ``first_key`` is a multiple of 4.
+    Philox-4x32-10 (key ``seed``) gives four 32-bit words per counter, eight 16-bit draws: key j of a
+    row takes half j % 2 (low, high) of word (j % 8) // 2 of counter ``row_counters[row] + j // 8``, so
+    a score's bits depend on its (row, key) alone and the backward, whatever its tiles, regenerates the
+    forward's. A draw >= ``threshold`` = round(p · 2^16) keeps its score: the keep probability is
+    ``1 - threshold / 2^16`` (the launcher scales kept scores by its inverse). ``first_key`` and
+    BLOCK_N are multiples of 8.
     """
-    groups = (first_key // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.int64)
-    counters = row_counters[:, None] + groups[None, :]  # [BLOCK_M, BLOCK_N // 4]
-    bits0, bits1, bits2, bits3 = tl.randint4x(seed, counters)
-    bits = tl.join(tl.join(bits0, bits1), tl.join(bits2, bits3)).reshape(BLOCK_M, BLOCK_N)
-    return bits.to(tl.uint32, bitcast=True) >= threshold.to(tl.uint32)
+    tl.static_assert(BLOCK_N % 8 == 0, "eight keys per Philox counter")
+    groups = (first_key // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.int64)
+    counters = row_counters[:, None] + groups[None, :]  # [BLOCK_M, BLOCK_N // 8]
+    word0, word1, word2, word3 = tl.randint4x(seed, counters)
+    words = tl.join(tl.join(word0, word2), tl.join(word1, word3)).reshape(BLOCK_M, BLOCK_N // 2)
+    words = words.to(tl.uint32, bitcast=True)
+    draws = tl.join(words & 0xFFFF, words >> 16).reshape(BLOCK_M, BLOCK_N)
+    return draws >= threshold.to(tl.uint32)
 
 
 @triton.jit
@@ -108,8 +113,8 @@ def score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, str
 
     Dropout gives every (row, key) of the call its own counter: ``rng_row`` numbers row 0 of this
     (batch, head) among all rows of the call, ``keys_per_row`` bounds every row's keys (Sk, or the
-    packed total), and key j of row i uses counter ``(rng_row + i) * rng_groups + j // 4`` with
-    ``rng_groups = ceil(keys_per_row / 4)`` (:func:`dropout_keep`). A switched-off feature's values are
+    packed total), and key j of row i uses counter ``(rng_row + i) * rng_groups + j // 8`` with
+    ``rng_groups = ceil(keys_per_row / 8)`` (:func:`dropout_keep`). A switched-off feature's values are
     placeholders that are never read.
     """
     slope = 0.0
@@ -123,7 +128,7 @@ def score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, str
     if DROPOUT:
         seed = tl.load(RngState)
         rng_row = tl.cast(rng_row, tl.int64)
-        rng_groups = tl.cast(tl.cdiv(keys_per_row, 4), tl.int64)
+        rng_groups = tl.cast(tl.cdiv(keys_per_row, 8), tl.int64)
     return (softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, dropout_threshold,
             dropout_scale)
 
@@ -136,7 +141,7 @@ def dropout_mask_kernel(RngState, Keep, num_rows, keys_per_row, threshold,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     first_key = tl.program_id(1) * BLOCK_N
     keys = first_key + tl.arange(0, BLOCK_N)
-    row_counters = rows.to(tl.int64) * tl.cast(tl.cdiv(keys_per_row, 4), tl.int64)
+    row_counters = rows.to(tl.int64) * tl.cast(tl.cdiv(keys_per_row, 8), tl.int64)
     keep = dropout_keep(tl.load(RngState), row_counters, first_key, threshold, BLOCK_M, BLOCK_N)
     tl.store(Keep + rows.to(tl.int64)[:, None] * keys_per_row + keys[None, :], keep,
              mask=(rows[:, None] < num_rows) & (keys[None, :] < keys_per_row))
