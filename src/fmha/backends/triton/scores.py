@@ -84,23 +84,40 @@ def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slo
 
 
 @triton.jit
+def _span_draws(seed, row_counters, first_span, BLOCK_M: tl.constexpr, SPANS: tl.constexpr):
+    """[BLOCK_M, 32 * SPANS] uint32 tile of the 16-bit draws of keys [32 * first_span, 32 * (first_span + SPANS))."""
+    spans = (first_span + tl.arange(0, SPANS)).to(tl.int64) * 4
+    lanes = tl.arange(0, 4).to(tl.int64)
+    counters = row_counters[:, None, None] + spans[None, :, None] + lanes[None, None, :]  # [M, SPANS, 4]
+    word0, word1, word2, word3 = tl.randint4x(seed, counters)
+    words = tl.join(tl.join(word0, word1), tl.join(word2, word3)).to(tl.uint32, bitcast=True)
+    draws = tl.join(words & 0xFFFF, words >> 16)  # [M, span, lane, word % 2, word // 2, half]
+    # to key 32 * span + 8 * word + 2 * lane + half
+    return draws.permute(0, 1, 4, 3, 2, 5).reshape(BLOCK_M, 32 * SPANS)
+
+
+@triton.jit
 def dropout_keep(seed, row_counters, first_key, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool tile: which probabilities of keys [first_key, first_key + BLOCK_N) survive dropout.
 
-    Philox-4x32-10 (key ``seed``) gives four 32-bit words per counter, eight 16-bit draws: key j of a
-    row takes half j % 2 (low, high) of word (j % 8) // 2 of counter ``row_counters[row] + j // 8``, so
-    a score's bits depend on its (row, key) alone and the backward, whatever its tiles, regenerates the
-    forward's. A draw >= ``threshold`` = round(p · 2^16) keeps its score: the keep probability is
-    ``1 - threshold / 2^16`` (the launcher scales kept scores by its inverse). ``first_key`` and
-    BLOCK_N are multiples of 8.
+    Philox-4x32-10 (key ``seed``) gives four 32-bit words per counter, eight 16-bit draws. Key j of a
+    row takes half j % 2 (low, high) of word (j // 8) % 4 of counter ``row_counters[row] + 4 · (j // 32)
+    + (j % 8) // 2``: a score's bits depend on its (row, key) alone, so the backward, whatever its
+    tiles, regenerates the forward's. A counter's eight keys are those one thread holds in a row of
+    an NVIDIA tensor-core accumulator (two adjacent columns in each of four 8-column blocks), so the
+    forward draws its bits where its probabilities are, with no exchange between threads.
+
+    A draw >= ``threshold`` = round(p · 2^16) keeps its score: the keep probability is
+    ``1 - threshold / 2^16`` (the launcher scales kept scores by its inverse). BLOCK_N is a power of
+    two >= 16 and ``first_key`` a multiple of it.
     """
-    tl.static_assert(BLOCK_N % 8 == 0, "eight keys per Philox counter")
-    groups = (first_key // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.int64)
-    counters = row_counters[:, None] + groups[None, :]  # [BLOCK_M, BLOCK_N // 8]
-    word0, word1, word2, word3 = tl.randint4x(seed, counters)
-    words = tl.join(tl.join(word0, word2), tl.join(word1, word3)).reshape(BLOCK_M, BLOCK_N // 2)
-    words = words.to(tl.uint32, bitcast=True)
-    draws = tl.join(words & 0xFFFF, words >> 16).reshape(BLOCK_M, BLOCK_N)
+    if BLOCK_N >= 32:
+        draws = _span_draws(seed, row_counters, first_key // 32, BLOCK_M, BLOCK_N // 32)
+    else:  # one half of a span of 32 keys
+        tl.static_assert(BLOCK_N == 16, "tiles of at least 16 keys")
+        span = _span_draws(seed, row_counters, first_key // 32, BLOCK_M, 1)
+        first_half, second_half = span.reshape(BLOCK_M, 2, 16).permute(0, 2, 1).split()
+        draws = tl.where(first_key % 32 == 0, first_half, second_half)
     return draws >= threshold.to(tl.uint32)
 
 
@@ -113,9 +130,9 @@ def score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, str
 
     Dropout gives every (row, key) of the call its own counter: ``rng_row`` numbers row 0 of this
     (batch, head) among all rows of the call, ``keys_per_row`` bounds every row's keys (Sk, or the
-    packed total), and key j of row i uses counter ``(rng_row + i) * rng_groups + j // 8`` with
-    ``rng_groups = ceil(keys_per_row / 8)`` (:func:`dropout_keep`). A switched-off feature's values are
-    placeholders that are never read.
+    packed total), and row i's counters start at ``(rng_row + i) * rng_groups``, with ``rng_groups =
+    4 · ceil(keys_per_row / 32)``: four per 32 keys (:func:`dropout_keep`). A switched-off feature's
+    values are placeholders that are never read.
     """
     slope = 0.0
     if ALIBI:
@@ -128,7 +145,7 @@ def score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, str
     if DROPOUT:
         seed = tl.load(RngState)
         rng_row = tl.cast(rng_row, tl.int64)
-        rng_groups = tl.cast(tl.cdiv(keys_per_row, 8), tl.int64)
+        rng_groups = tl.cast(tl.cdiv(keys_per_row, 32) * 4, tl.int64)
     return (softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, dropout_threshold,
             dropout_scale)
 
@@ -141,7 +158,7 @@ def dropout_mask_kernel(RngState, Keep, num_rows, keys_per_row, threshold,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     first_key = tl.program_id(1) * BLOCK_N
     keys = first_key + tl.arange(0, BLOCK_N)
-    row_counters = rows.to(tl.int64) * tl.cast(tl.cdiv(keys_per_row, 8), tl.int64)
+    row_counters = rows.to(tl.int64) * tl.cast(tl.cdiv(keys_per_row, 32) * 4, tl.int64)
     keep = dropout_keep(tl.load(RngState), row_counters, first_key, threshold, BLOCK_M, BLOCK_N)
     tl.store(Keep + rows.to(tl.int64)[:, None] * keys_per_row + keys[None, :], keep,
              mask=(rows[:, None] < num_rows) & (keys[None, :] < keys_per_row))
