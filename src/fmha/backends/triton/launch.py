@@ -45,8 +45,9 @@ def window_bounds(params: AttentionParams) -> tuple[bool, bool, int, int]:
 
 def softcap_tanh(params: AttentionParams) -> int:
     """The SOFTCAP constexpr of a call with a softcap: one ``tanh.approx.f32`` per score for 16-bit
-    inputs on NVIDIA GPUs from sm_75 (its 2^-11 error is below their rounding); the exact formula for
-    float32 inputs, under the interpreter (no inline assembly there) and on other GPUs."""
+    inputs on NVIDIA GPUs from sm_75 (its relative error, about 2^-11, is of the order of their
+    rounding); the exact formula for float32 inputs, under the interpreter (no inline assembly
+    there) and on other GPUs."""
     if (params.dtype in (torch.float16, torch.bfloat16) and compiles_to_ptx(params.device)
             and compute_capability(params.device) >= (7, 5)):
         return FAST_TANH

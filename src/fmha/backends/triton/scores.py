@@ -42,8 +42,9 @@ def exact_tanh(x):
 @triton.jit
 def fast_tanh(x):
     """One ``tanh.approx.f32`` (NVIDIA, sm_75 and later), as FlashAttention-3 caps its scores: half the
-    special-function work of :func:`exact_tanh`. Its relative error is at most about 2^-11, below the
-    rounding of the 16-bit probabilities that P·V multiplies, so the launcher picks it for 16-bit inputs."""
+    special-function work of :func:`exact_tanh`. Its relative error is at most about 2^-11, so a capped
+    score moves by at most about softcap · 2^-11: the launcher picks it for 16-bit inputs, whose own
+    rounding is of that order, and keeps :func:`exact_tanh` for float32 ones."""
     return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                      pack=1)
 
