@@ -9,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
 from fmha import ops
-from fmha.backends.triton.launch import dropout_keep_mask
+from fmha.backends.triton.launch import dropout_keep_mask, kernel_dropout_p
 
 from .helpers import assert_close_to_reference, assert_grads_close, random_qkv
 
@@ -113,11 +113,11 @@ def test_dropout_matches_float64_with_the_kernels_pattern_gpu(causal, head_dim):
     keep = keep.view(2, Q_HEADS, 700, 900)
     assert abs(keep.float().mean().item() - 0.85) < 0.002
     offset = dict(causal_offset=200) if causal else {}
-    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), atol=1e-5, dropout_p=0.15, keep=keep,
-                              **offset)
+    dropout = dict(dropout_p=kernel_dropout_p(0.15), keep=keep)
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), atol=1e-5, **dropout, **offset)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert_grads_close(grads, q, k, v, dout, dropout_p=0.15, keep=keep, **offset)
+    assert_grads_close(grads, q, k, v, dout, **dropout, **offset)
 
 
 def test_dropout_is_reproducible_and_fresh_under_cuda_graphs_gpu():

@@ -11,7 +11,7 @@ import fmha
 from fmha import ops
 from fmha.backends.gluon_sm90.backend import score_features_refusal
 from fmha.backends.triton.config import SplitKVConfig
-from fmha.backends.triton.launch import dropout_keep_mask
+from fmha.backends.triton.launch import dropout_keep_mask, kernel_dropout_p
 from fmha.masking import Window
 from fmha.params import attention_params
 from fmha.reference import dense_attention
@@ -143,7 +143,7 @@ def test_packed_sequences_with_every_feature(dtype):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         q_b, k_b, v_b, out_b, dout_b = (t[s].transpose(0, 1)[None] for t, s in
                                         ((q, rows), (k, keys), (v, keys), (out, rows), (dout, rows)))
-        scores = dict(softcap=3.0, alibi_slopes=slopes[b], sinks=sinks.detach(), dropout_p=0.2,
+        scores = dict(softcap=3.0, alibi_slopes=slopes[b], sinks=sinks.detach(), dropout_p=kernel_dropout_p(0.2),
                       keep=keep[:, rows, :lengths_k[b]][None])
         window = Window.causal(lengths_k[b] - lengths_q[b])
         if not lengths_q[b]:  # keys no query sees get no gradient
@@ -184,10 +184,10 @@ def test_dropout_matches_float64_with_the_kernels_pattern(shape, options, dtype)
     window = Window.of(seqlen_q, seqlen_k, left=window[0], right=window[1]) if window else None
     reference = dict(causal_offset=seqlen_k - seqlen_q) if options.get("causal") else dict(window=window)
     scores = {name: value for name, value in options.items() if name in ("softcap", "sinks")}
-    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), dropout_p=0.3, keep=keep,
-                              **reference, **scores)
+    dropout = dict(dropout_p=kernel_dropout_p(0.3), keep=keep)  # 0.3 to the kernels' 2^-16 steps
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), **dropout, **reference, **scores)
     grads, dout = grads_with_sinks(out, q, k, v, {})
-    assert_grads_close(grads, q, k, v, dout, dropout_p=0.3, keep=keep, **reference, **scores)
+    assert_grads_close(grads, q, k, v, dout, **dropout, **reference, **scores)
 
 
 def test_dropout_statistics():
@@ -202,6 +202,43 @@ def test_dropout_statistics():
     assert abs(out.mean().item() - 1.0) < 0.02
     assert out.std().item() > 0.01  # the rows differ: bits are not shared between rows
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0], keep[1])
+
+
+def test_dropout_draws_16_bits_and_rounds_p_to_them():
+    # Find one score's draw d by bisection over the thresholds: it is kept exactly while
+    # round(p * 2^16) <= d, so the p that round to d keep it and the next step drops it.
+    key = ops.dropout_seed(torch.Generator().manual_seed(2), "cpu")
+
+    def kept(p):
+        return dropout_keep_mask(key, 1, 16, p)[0, 5].item()
+
+    low, high = 0, 2 ** 16  # kept at threshold low, dropped at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if kept(middle / 2 ** 16) else (low, middle)
+    draw = low
+    assert kept((draw - 0.49) / 2 ** 16) and kept((draw + 0.49) / 2 ** 16)
+    assert not kept((draw + 0.51) / 2 ** 16)
+    assert kernel_dropout_p((draw + 0.49) / 2 ** 16) == draw / 2 ** 16
+
+
+@pytest.mark.parametrize("block_keys", [32, 64, 128])
+def test_dropout_pattern_is_the_same_for_every_tile_width(block_keys):
+    key = ops.dropout_seed(torch.Generator().manual_seed(4), "cpu")
+    narrow = dropout_keep_mask(key, 40, 200, 0.5)
+    assert torch.equal(dropout_keep_mask(key, 40, 200, 0.5, block_keys=block_keys), narrow)
+    assert 0.4 < narrow.float().mean() < 0.6
+
+
+def test_dropout_with_wide_key_tiles_matches_float64():
+    # The forward in tiles of 64 keys, the backward in tiles of 16: one pattern.
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 20, 150, 16, torch.float32))
+    out = fmha.attention(q, k, v, dropout_p=0.3, generator=torch.Generator().manual_seed(8),
+                         config=fmha.ForwardConfig(16, 64, 1, 1))
+    dropout = dict(dropout_p=kernel_dropout_p(0.3), keep=dropout_pattern(8, (1, 2, 20, 150), 0.3))
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), **dropout)
+    grads, dout = grads_with_sinks(out, q, k, v, {})
+    assert_grads_close(grads, q, k, v, dout, **dropout)
 
 
 def test_dropout_is_bitwise_reproducible_for_a_generator_state():
@@ -233,6 +270,12 @@ def test_dropout_edge_probabilities():
     assert all((grad == 0).all() for grad in grads)
     plain = fmha.attention(q, k, v)
     assert torch.equal(fmha.attention(q, k, v, dropout_p=0.0, generator=torch.Generator()), plain)
+    # p is rounded to a multiple of 2^-16: below half a step nothing drops (and nothing is
+    # rescaled), above 1 - half a step everything does (scaled by 0, not 1/0).
+    assert torch.equal(fmha.attention(q, k, v, dropout_p=0.4 / 2 ** 16), plain)
+    out = fmha.attention(q, k, v, dropout_p=1 - 0.4 / 2 ** 16)
+    assert (out == 0).all()
+    assert all((grad == 0).all() for grad in torch.autograd.grad(out.sum(), (q, k, v)))
 
 
 def test_flash_attn_functions_take_softcap_alibi_and_dropout():

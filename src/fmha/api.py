@@ -160,9 +160,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
         sinks: float32 (Hq,), learnable: each row's softmax denominator gains ``exp(sinks[h])``, mass
             that goes to no key (gpt-oss). Differentiable.
         dropout_p: probability of dropping each entry of P (kept ones scaled by 1 / (1 - p)), as in
-            FlashAttention; the random bits come from ``generator`` (None: torch's default generator
-            of q's device), one key drawn per call, so the same generator state gives the same
-            output and gradients.
+            FlashAttention, with p rounded to a multiple of 2^-16 (16 random bits per entry); the
+            random bits come from ``generator`` (None: torch's default generator of q's device), one
+            key drawn per call, so the same generator state gives the same output and gradients.
         return_lse: also return the natural-log LSE, float32 (B, Hq, Sq); not differentiable. With
             sinks it counts the sink's term; dropout does not change it.
         deterministic: require bitwise-reproducible gradients: the portable backward (no atomics)

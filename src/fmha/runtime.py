@@ -53,6 +53,13 @@ def compute_capability(device: torch.device) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
+def compiles_to_ptx(device: torch.device) -> bool:
+    """Whether Triton builds this device's kernels through NVIDIA's PTX, so that they may hold inline
+    PTX: not under the interpreter, and not on ROCm (whose torch calls AMD GPUs "cuda" too)."""
+    return not INTERPRETED and device.type == "cuda" and torch.version.hip is None
+
+
+@functools.lru_cache(maxsize=None)
 def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_properties(device).name
 

@@ -18,7 +18,8 @@ Compile-time switches (the launcher picks them per device, see ``fmha.backends.t
   bulk tensor copies); rows past the end of a sequence and columns past the head dim load as
   zeros and are never stored;
 * ``FUSED_SCALE``: the row max is taken on raw scores and the scale is folded into the
-  exponent, one FMA per score instead of a multiply and a subtract (needs scale > 0);
+  exponent, one FMA per score instead of a multiply and a subtract (needs scale > 0); with a
+  softcap alone, the max is taken on the tanh and its factor ``softcap · log2 e`` folds in;
 * ``PIPELINE_QK``: in the unmasked loop, Q·Kᵀ of the next block is issued before the
   softmax of the current one, so the tensor cores and the exp units can overlap;
 * ``WARP_SPECIALIZE``: Triton's producer/consumer warp specialisation of the unmasked loop;
@@ -70,19 +71,25 @@ def _softmax_update(
     ``mods``: the score features' runtime values (:func:`fmha.backends.triton.scores.score_mods`).
     """
     softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, threshold, _ = mods
-    if SOFTCAP or ALIBI or MASK != NO_MASK:
-        tl.static_assert(not FUSED_SCALE, "modified scores are scaled before the row max")
+    if FUSED_SCALE:
+        tl.static_assert(not ALIBI and MASK == NO_MASK, "biased scores are scaled before the row max")
+        if SOFTCAP:  # the factor after the tanh folds in
+            _, scores = score_tile(raw_scores, offs_m[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale,
+                                   softcap_scale, slope, mask_ptr, stride_mm, stride_mn, SOFTCAP, ALIBI, MASK)
+            factor = softcap_scale
+        else:
+            scores = raw_scores
+            factor = qk_scale
+    elif SOFTCAP or ALIBI or MASK != NO_MASK:
         scores, _ = score_tile(raw_scores, offs_m[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale,
                                softcap_scale, slope, mask_ptr, stride_mm, stride_mn, SOFTCAP, ALIBI, MASK)
-    elif FUSED_SCALE:
-        scores = raw_scores
     else:
         scores = raw_scores * qk_scale
     if MASKED:
         seen = visible(offs_m[:, None], keys[None, :], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
         scores = tl.where(seen, scores, float("-inf"))
     if FUSED_SCALE:
-        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)  # [BLOCK_M]
+        new_max = tl.maximum(row_max, tl.max(scores, 1) * factor)  # [BLOCK_M]
     else:
         new_max = tl.maximum(row_max, tl.max(scores, 1))  # [BLOCK_M]
     if MASKED or MASK != NO_MASK:
@@ -92,7 +99,7 @@ def _softmax_update(
     else:
         new_max_safe = new_max
     if FUSED_SCALE:
-        probs = tl.math.exp2(scores * qk_scale - new_max_safe[:, None])  # [BLOCK_M, BLOCK_N]
+        probs = tl.math.exp2(scores * factor - new_max_safe[:, None])  # [BLOCK_M, BLOCK_N]
     else:
         probs = tl.math.exp2(scores - new_max_safe[:, None])  # [BLOCK_M, BLOCK_N]
     rescale = tl.math.exp2(row_max - new_max_safe)  # [BLOCK_M]

@@ -9,17 +9,19 @@ kernel directly with the integer arguments computed once.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 
 from ...compat import COMPILE_OPTIONS
 from ...params import NO_SCORE_TENSORS, AttentionParams, ScoreTensors
-from ...runtime import INTERPRETED, TensorDescriptor, multiprocessors, run_compiled
+from ...runtime import (INTERPRETED, TensorDescriptor, compiles_to_ptx, compute_capability, multiprocessors,
+                        run_compiled)
 from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel, sinks_grad_kernel
 from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatures, SplitKVConfig, padded_head_dim
 from .forward import LOG2_E, attention_forward_kernel
-from .scores import BOOL_MASK, FLOAT_MASK, NO_MASK, dropout_mask_kernel
+from .scores import BOOL_MASK, EXACT_TANH, FAST_TANH, FLOAT_MASK, NO_MASK, NO_SOFTCAP, dropout_mask_kernel
 from .split_kv import attention_split_kv_kernel, split_kv_combine_kernel
 from .varlen import varlen_schedule_kernel
 
@@ -41,34 +43,56 @@ def window_bounds(params: AttentionParams) -> tuple[bool, bool, int, int]:
             offset + options.window_right if has_right else 0)
 
 
+def softcap_tanh(params: AttentionParams) -> int:
+    """The SOFTCAP constexpr of a call with a softcap: one ``tanh.approx.f32`` per score for 16-bit
+    inputs on NVIDIA GPUs from sm_75 (its relative error, about 2^-11, is of the order of their
+    rounding); the exact formula for float32 inputs, under the interpreter (no inline assembly
+    there) and on other GPUs."""
+    if (params.dtype in (torch.float16, torch.bfloat16) and compiles_to_ptx(params.device)
+            and compute_capability(params.device) >= (7, 5)):
+        return FAST_TANH
+    return EXACT_TANH
+
+
 def dropout_threshold(dropout_p: float) -> int:
-    """A word of 32 random bits >= this keeps its probability: P(keep) = 1 - p (to 2^-32)."""
-    return min(int(dropout_p * 2.0 ** 32), 2 ** 32 - 1)
+    """A score's 16 random bits (fmha.backends.triton.scores.dropout_keep) >= this keep it:
+    ``round(p · 2^16)``, from 0 (keep all) to 2^16 (drop all)."""
+    return math.floor(dropout_p * 2 ** 16 + 0.5)
 
 
-def dropout_keep_mask(rng_state: torch.Tensor, rows: int, keys: int, dropout_p: float) -> torch.Tensor:
+def kernel_dropout_p(dropout_p: float) -> float:
+    """The drop probability the kernels realise: p to the nearest multiple of 2^-16. The kept
+    probabilities are scaled by ``1 / (1 - kernel_dropout_p(p))``, so each stays unbiased."""
+    return dropout_threshold(dropout_p) / 2 ** 16
+
+
+def dropout_keep_mask(rng_state: torch.Tensor, rows: int, keys: int, dropout_p: float,
+                      block_keys: int = 16) -> torch.Tensor:
     """The (rows, keys) bool pattern the kernels keep for the philox key ``rng_state`` (a testing aid).
 
     Rows are numbered as the kernels number them: (batch, head, row) flattened for dense calls, so
     the pattern is ``.view(B, Hq, Sq, Sk)``; (head, packed token) for packed sequences, with keys
     the packed total: ``.view(Hq, total_q, total_k)``, sequence b's keys counted from its start.
+    ``block_keys`` (a power of two >= 16) is the tile width it is made with; the pattern is the same
+    for every width.
     """
     keep = torch.empty((rows, keys), dtype=torch.bool, device=rng_state.device)
     if keep.numel() == 0:
         return keep
     block = 16
-    dropout_mask_kernel[(triton.cdiv(rows, block), triton.cdiv(keys, block))](
-        rng_state, keep, rows, keys, dropout_threshold(dropout_p), BLOCK_M=block, BLOCK_N=block, **COMPILE_OPTIONS)
+    dropout_mask_kernel[(triton.cdiv(rows, block), triton.cdiv(keys, block_keys))](
+        rng_state, keep, rows, keys, dropout_threshold(dropout_p), BLOCK_M=block, BLOCK_N=block_keys,
+        **COMPILE_OPTIONS)
     return keep
 
 
 class ScoreLaunch:
     """The score features' kernel arguments for one call signature (fmha.backends.triton.scores).
 
-    ``constants``: the SOFTCAP, ALIBI, MASK, SINKS and DROPOUT constexprs; ``scalars``: qk_scale
-    (``scale / softcap`` with a softcap, else ``scale · log2 e``), softcap_scale, dropout_threshold and
-    dropout_scale. :meth:`tensors` gives a call's pointers and strides, and the key of what Triton
-    specialises on them (a compiled kernel is reused only for the same key).
+    ``constants``: the SOFTCAP (:func:`softcap_tanh`), ALIBI, MASK, SINKS and DROPOUT constexprs;
+    ``scalars``: qk_scale (``scale / softcap`` with a softcap, else ``scale · log2 e``), softcap_scale,
+    dropout_threshold and dropout_scale. :meth:`tensors` gives a call's pointers and strides, and the
+    key of what Triton specialises on them (a compiled kernel is reused only for the same key).
     """
 
     __slots__ = ("constants", "scalars", "fused_scale_ok")
@@ -77,12 +101,15 @@ class ScoreLaunch:
         options = params.options
         softcap, p = options.softcap, options.dropout_p
         mask = {"": NO_MASK, "bool": BOOL_MASK}.get(options.attn_mask_kind, FLOAT_MASK)
-        self.constants = dict(SOFTCAP=softcap > 0, ALIBI=options.has_alibi, MASK=mask, SINKS=options.has_sinks,
-                              DROPOUT=p > 0)
+        self.constants = dict(SOFTCAP=softcap_tanh(params) if softcap > 0 else NO_SOFTCAP, ALIBI=options.has_alibi,
+                              MASK=mask, SINKS=options.has_sinks, DROPOUT=p > 0)
         qk_scale = options.scale / softcap if softcap > 0 else options.scale * LOG2_E
-        # p = 1 drops everything through dropout_scale = 0 (no 1/0).
-        self.scalars = (qk_scale, softcap * LOG2_E, dropout_threshold(p), 1.0 / (1.0 - p) if p < 1.0 else 0.0)
-        self.fused_scale_ok = not options.scores_modified
+        # Dropping everything (p rounds to 1) scales by 0, not 1/0.
+        kept = 1.0 - kernel_dropout_p(p)
+        self.scalars = (qk_scale, softcap * LOG2_E, dropout_threshold(p), 1.0 / kept if kept > 0 else 0.0)
+        # The forward may fold the scores' last factor into the exponent if it is positive: the scale,
+        # or softcap · log2 e after a softcap's tanh. A bias must be added before the row max.
+        self.fused_scale_ok = not (options.has_alibi or options.attn_mask_kind) and (softcap > 0 or options.scale > 0)
 
     @staticmethod
     def tensors(scores: ScoreTensors) -> tuple[tuple, tuple[int, ...], tuple]:
@@ -180,7 +207,6 @@ class PortableForward:
 
     def __init__(self, params: AttentionParams, config: ForwardConfig, features: KernelFeatures = DEFAULT_FEATURES):
         has_left, has_right, lo, hi = window_bounds(params)
-        scale = params.options.scale
         varlen = params.varlen
         if varlen:  # tiles come from the list: no persistent loop; rows of one tile may cross sequences: no TMA
             features = KernelFeatures(fused_scale=features.fused_scale, pipeline_qk=features.pipeline_qk,
@@ -192,7 +218,7 @@ class PortableForward:
             HEAD_DIM=params.head_dim, BLOCK_D=padded_head_dim(params.head_dim),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(params.dtype),
-            USE_TMA=False, FUSED_SCALE=features.fused_scale and scale > 0 and self.scores.fused_scale_ok,
+            USE_TMA=False, FUSED_SCALE=features.fused_scale and self.scores.fused_scale_ok,
             PIPELINE_QK=features.pipeline_qk, WARP_SPECIALIZE=features.warp_specialize,
             PERSISTENT=features.persistent, VARLEN=varlen, **self.scores.constants,
         )

@@ -21,6 +21,11 @@ import triton.language as tl
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 TWO_LOG2_E: tl.constexpr = tl.constexpr(2.8853900817779268)
 
+# The SOFTCAP constexpr: off, or the tanh that caps the scores (:func:`exact_tanh`, :func:`fast_tanh`).
+NO_SOFTCAP: tl.constexpr = tl.constexpr(0)
+EXACT_TANH: tl.constexpr = tl.constexpr(1)
+FAST_TANH: tl.constexpr = tl.constexpr(2)
+
 # SDPA's attn_mask, the MASK constexpr.
 NO_MASK: tl.constexpr = tl.constexpr(0)
 BOOL_MASK: tl.constexpr = tl.constexpr(1)
@@ -28,16 +33,28 @@ FLOAT_MASK: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def tanh(x):
-    """``1 - 2 / (exp(2x) + 1)``: one exp2 and one fast division, exact at both tails (±1, never NaN)."""
+def exact_tanh(x):
+    """``1 - 2 / (exp(2x) + 1)``: one exp2 and one fast division, exact at both tails (±1, never NaN).
+    Runs everywhere: the interpreter, float32 inputs, GPUs other than NVIDIA's."""
     return 1.0 - tl.fdiv(2.0, tl.math.exp2(x * TWO_LOG2_E) + 1.0)
+
+
+@triton.jit
+def fast_tanh(x):
+    """One ``tanh.approx.f32`` (NVIDIA, sm_75 and later), as FlashAttention-3 caps its scores: half the
+    special-function work of :func:`exact_tanh`. Its relative error is at most about 2^-11, so a capped
+    score moves by at most about softcap · 2^-11: the launcher picks it for 16-bit inputs, whose own
+    rounding is of that order, and keeps :func:`exact_tanh` for float32 ones."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
 def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slope, mask_ptr, stride_mm, stride_mn,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr):
     """``(scores, capped)`` of one tile: the scores in log2 units, and ``tanh(·)`` of the softcap
-    (whose derivative ``1 - capped²`` the backward needs; ``raw`` when SOFTCAP is off).
+    (whose derivative ``1 - capped²`` the backward needs; ``raw`` when SOFTCAP is off). SOFTCAP is
+    NO_SOFTCAP, EXACT_TANH or FAST_TANH; the backward recomputes ``capped`` with the forward's tanh.
 
     ``raw`` is Q·Kᵀ; ``rows`` and ``keys`` are integer tiles that broadcast to its shape ([M, 1] and
     [1, N], or [1, M] and [N, 1] for a transposed tile). ``qk_scale`` is ``scale · log2 e``, or
@@ -45,7 +62,10 @@ def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slo
     ``slope`` is the head's ALiBi slope · log2 e; ``mask_ptr`` points at the (batch, head)'s attn_mask.
     """
     if SOFTCAP:
-        capped = tanh(raw * qk_scale)
+        if SOFTCAP == FAST_TANH:
+            capped = fast_tanh(raw * qk_scale)
+        else:
+            capped = exact_tanh(raw * qk_scale)
         scores = capped * softcap_scale
     else:
         capped = raw
@@ -65,19 +85,41 @@ def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slo
 
 
 @triton.jit
+def _span_draws(seed, row_counters, first_span, BLOCK_M: tl.constexpr, SPANS: tl.constexpr):
+    """[BLOCK_M, 32 * SPANS] uint32 tile of the 16-bit draws of keys [32 * first_span, 32 * (first_span + SPANS))."""
+    spans = (first_span + tl.arange(0, SPANS)).to(tl.int64) * 4
+    lanes = tl.arange(0, 4).to(tl.int64)
+    counters = row_counters[:, None, None] + spans[None, :, None] + lanes[None, None, :]  # [M, SPANS, 4]
+    word0, word1, word2, word3 = tl.randint4x(seed, counters)
+    words = tl.join(tl.join(word0, word1), tl.join(word2, word3)).to(tl.uint32, bitcast=True)
+    draws = tl.join(words & 0xFFFF, words >> 16)  # [M, span, lane, word % 2, word // 2, half]
+    # to key 32 * span + 8 * word + 2 * lane + half
+    return draws.permute(0, 1, 4, 3, 2, 5).reshape(BLOCK_M, 32 * SPANS)
+
+
+@triton.jit
 def dropout_keep(seed, row_counters, first_key, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool tile: which probabilities of keys [first_key, first_key + BLOCK_N) survive dropout.
 
-    Philox (key ``seed``) gives four 32-bit words per counter: key j of a row uses word j % 4 of
-    counter ``row_counters[row] + j // 4``, so a score's bits depend on its (row, key) alone and the
-    backward, whatever its tiles, regenerates the forward's. A word >= ``threshold`` (about
-    ``dropout_p · 2³²``) keeps its score. ``first_key`` is a multiple of 4.
+    Philox-4x32-10 (key ``seed``) gives four 32-bit words per counter, eight 16-bit draws. Key j of a
+    row takes half j % 2 (low, high) of word (j // 8) % 4 of counter ``row_counters[row] + 4 · (j // 32)
+    + (j % 8) // 2``: a score's bits depend on its (row, key) alone, so the backward, whatever its
+    tiles, regenerates the forward's. A counter's eight keys are those one thread holds in a row of
+    an NVIDIA tensor-core accumulator (two adjacent columns in each of four 8-column blocks), so the
+    forward draws its bits where its probabilities are, with no exchange between threads.
+
+    A draw >= ``threshold`` = round(p · 2^16) keeps its score: the keep probability is
+    ``1 - threshold / 2^16`` (the launcher scales kept scores by its inverse). BLOCK_N is a power of
+    two >= 16 and ``first_key`` a multiple of it.
     """
-    groups = (first_key // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.int64)
-    counters = row_counters[:, None] + groups[None, :]  # [BLOCK_M, BLOCK_N // 4]
-    bits0, bits1, bits2, bits3 = tl.randint4x(seed, counters)
-    bits = tl.join(tl.join(bits0, bits1), tl.join(bits2, bits3)).reshape(BLOCK_M, BLOCK_N)
-    return bits.to(tl.uint32, bitcast=True) >= threshold.to(tl.uint32)
+    if BLOCK_N >= 32:
+        draws = _span_draws(seed, row_counters, first_key // 32, BLOCK_M, BLOCK_N // 32)
+    else:  # one half of a span of 32 keys
+        tl.static_assert(BLOCK_N == 16, "tiles of at least 16 keys")
+        span = _span_draws(seed, row_counters, first_key // 32, BLOCK_M, 1)
+        first_half, second_half = span.reshape(BLOCK_M, 2, 16).permute(0, 2, 1).split()
+        draws = tl.where(first_key % 32 == 0, first_half, second_half)
+    return draws >= threshold.to(tl.uint32)
 
 
 @triton.jit
@@ -89,9 +131,9 @@ def score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, str
 
     Dropout gives every (row, key) of the call its own counter: ``rng_row`` numbers row 0 of this
     (batch, head) among all rows of the call, ``keys_per_row`` bounds every row's keys (Sk, or the
-    packed total), and key j of row i uses counter ``(rng_row + i) * rng_groups + j // 4`` with
-    ``rng_groups = ceil(keys_per_row / 4)`` (:func:`dropout_keep`). A switched-off feature's values are
-    placeholders that are never read.
+    packed total), and row i's counters start at ``(rng_row + i) * rng_groups``, with ``rng_groups =
+    4 · ceil(keys_per_row / 32)``: four per 32 keys (:func:`dropout_keep`). A switched-off feature's
+    values are placeholders that are never read.
     """
     slope = 0.0
     if ALIBI:
@@ -104,7 +146,7 @@ def score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, str
     if DROPOUT:
         seed = tl.load(RngState)
         rng_row = tl.cast(rng_row, tl.int64)
-        rng_groups = tl.cast(tl.cdiv(keys_per_row, 4), tl.int64)
+        rng_groups = tl.cast(tl.cdiv(keys_per_row, 32) * 4, tl.int64)
     return (softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, dropout_threshold,
             dropout_scale)
 
@@ -117,7 +159,7 @@ def dropout_mask_kernel(RngState, Keep, num_rows, keys_per_row, threshold,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     first_key = tl.program_id(1) * BLOCK_N
     keys = first_key + tl.arange(0, BLOCK_N)
-    row_counters = rows.to(tl.int64) * tl.cast(tl.cdiv(keys_per_row, 4), tl.int64)
+    row_counters = rows.to(tl.int64) * tl.cast(tl.cdiv(keys_per_row, 32) * 4, tl.int64)
     keep = dropout_keep(tl.load(RngState), row_counters, first_key, threshold, BLOCK_M, BLOCK_N)
     tl.store(Keep + rows.to(tl.int64)[:, None] * keys_per_row + keys[None, :], keep,
              mask=(rows[:, None] < num_rows) & (keys[None, :] < keys_per_row))
