@@ -101,6 +101,32 @@ def test_varlen_backward_gpu(window, head_dim, heads, causal):
                            as_bhsd(dout[rows]), window=visible_window(seqlen_q, seqlen_k, *window, causal))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_backward_runs_the_gluon_kernel_on_hopper_gpu(head_dim):
+    """Packed sequences take the Gluon backward on sm_90: one long and many short sequences, some of
+    length 0 and 1, GQA, causal, against float64 per sequence."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are built for sm_90")
+    lengths_q = [1500, 0, 1, 77, 300, 64, 129, 5]
+    lengths_k = [1500, 3, 1, 200, 300, 64, 0, 130]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 8, 2, head_dim, 17, grad=True)
+    params = fmha.params.varlen_params("test", q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    hopper, reason = fmha.dispatch.hopper_backward(params, q, q, k, v, q, k, v)
+    assert hopper is not None, reason
+    out = fmha.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for rows, keys in spans(lengths_q, lengths_k):
+        seqlen_q, seqlen_k = rows.stop - rows.start, keys.stop - keys.start
+        if seqlen_q == 0 or seqlen_k == 0:
+            for grad, span in ((dq, rows), (dk, keys), (dv, keys)):
+                assert torch.equal(grad[span], torch.zeros_like(grad[span]))
+            continue
+        inputs = [as_bhsd(t.detach()) for t in (q[rows], k[keys], v[keys])]
+        assert_grads_close((as_bhsd(dq[rows]), as_bhsd(dk[keys]), as_bhsd(dv[keys])), *inputs,
+                           as_bhsd(dout[rows]), window=visible_window(seqlen_q, seqlen_k, None, None, True))
+
+
 def test_one_long_and_many_short_sequences_gpu():
     lengths = [8192] + [random.Random(i).randint(1, 300) for i in range(63)]
     q, k, v, cu_q, cu_k = packed(lengths, lengths, 16, 4, 128, 3)
@@ -112,12 +138,13 @@ def test_one_long_and_many_short_sequences_gpu():
 
 
 def test_varlen_gradients_are_deterministic_gpu():
+    """deterministic=True: the portable backward (the Gluon one adds dQ with atomics, as for dense calls)."""
     lengths = random_lengths(11, 8, 2000)
     q, k, v, cu_q, cu_k = packed(lengths, lengths, 8, 2, 128, 5, grad=True)
     dout = torch.randn_like(q)
 
     def grads():
-        out = fmha.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(lengths), causal=True)
+        out = fmha.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(lengths), causal=True, deterministic=True)
         return torch.autograd.grad(out, (q, k, v), dout)
 
     first = grads()

@@ -27,9 +27,9 @@ from fmha.backends.gluon_sm90 import backward_launch, launch
 report = {"triton": triton.__version__}
 for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):
     schedule = backward_launch.default_backward_schedule(head_dim)
-    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi="alibi" in extra)
+    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=int("alibi" in extra))
     source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, has_left, has_right, schedule,
-                                                       features=features)
+                                                       features=features, varlen="varlen" in extra)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=backward_launch.hopper_backward_options(schedule))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
@@ -45,7 +45,8 @@ print(json.dumps(report))
 
 # (head_dim, has_left, has_right, score features...): dense, causal, a two-sided window, softcap and ALiBi.
 VARIANTS = [(128, False, False), (128, False, True), (64, False, False), (64, True, True),
-            (128, False, True, "softcap"), (64, False, True, "softcap", "alibi"), (128, False, False, "alibi")]
+            (128, False, True, "softcap"), (64, False, True, "softcap", "alibi"), (128, False, False, "alibi"),
+            (128, False, True, "varlen"), (64, True, True, "varlen", "alibi")]
 
 
 @pytest.fixture(scope="module")

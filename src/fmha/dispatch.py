@@ -209,14 +209,14 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, 
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     hopper = None
-    if config is None and params.device.type == "cuda" and not params.varlen:  # (B, H, S, D) tensors only
-        if not tma_compatible(dout):  # e.g. the expanded gradient of a sum
-            dout = dout.contiguous()
+    if config is None and params.device.type == "cuda":
+        if not tma_compatible(dout if dout.ndim == 4 else dout.unsqueeze(0).transpose(1, 2)):
+            dout = dout.contiguous()  # e.g. the expanded gradient of a sum
         hopper, _ = hopper_backward(params, dout, q, k, v, dq, dk, dv)
     index = params.device.index if params.device.type == "cuda" else None
     with torch.cuda.device(index) if index is not None and index != torch.cuda.current_device() else _SAME_DEVICE:
         if hopper is not None:
-            hopper(dout, q, k, v, out, lse, dq, dk, dv, **scores)
+            hopper(dout, q, k, v, out, lse, dq, dk, dv, *seqlens, **scores)
         else:
             BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, config, seqlens, **scores)
     return dq, dk, dv

@@ -92,13 +92,13 @@ class HopperBackend:
 
     def backward_refusal(self, params: AttentionParams, *tensors: torch.Tensor) -> str | None:
         """Why the Gluon backward cannot run this call (None: it can). ``tensors``: dout, q, k, v,
-        dq, dk, dv, each (B, H, S, D)."""
+        dq, dk, dv, each (B, H, S, D), or (total, H, D) for packed sequences."""
         options = params.options
         if options.backend and options.backend != self.name:
             return f"config= is a {options.backend} config"
         if options.deterministic:
             return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
-        if params.varlen or options.layout != "dense":
+        if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
         reason = self.refusal(params, *tensors[1:4])
         if reason is not None:

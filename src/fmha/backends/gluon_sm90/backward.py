@@ -35,13 +35,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...compat import cta_barrier, tma_atomic_add, tma_load, tma_store
-from .forward import CONSUMER_WARPS, accumulator_layout, operand_layout
-from .masking import query_blocks, visible
+from .forward import CONSUMER_WARPS, _store_rows, accumulator_layout, operand_layout
+from .masking import query_blocks, sequence_span, visible
 from .scores import modified_scores
 
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 CONSUMER_KEYS = gl.constexpr(64)  # keys per consumer warpgroup: one wgmma row block
+_ROW_STATS_LAYOUT = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))  # 64 rows over the load warp
 
 
 @gluon.constexpr_function
@@ -73,33 +74,87 @@ def _program_block(num_kv_heads, seqlen_k, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _program_tile(sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr):
+    """``(valid, batch, kv_head, n_block, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence)``
+    of this program: its key block, and its sequence's start, lengths and window in its own rows.
+
+    Packed sequences (VARLEN): ``sequences`` holds cu_seqlens_q, cu_seqlens_k and the key blocks'
+    tile list (:mod:`fmha.backends.triton.varlen`, deepest first); program p takes entry p % E for
+    KV head p // E; seqlen_q and seqlen_k arrive as the packed totals, lo and hi without the
+    sequence's Sk - Sq. Entries past the list's end are not valid. ``sequence`` indexes the
+    sequence's ALiBi slopes (the batch, dense)."""
+    if VARLEN:
+        cu_seqlens_q, cu_seqlens_k, tiles = sequences
+        entries = gl.num_programs(0) // num_kv_heads
+        entry = gl.program_id(0) % entries
+        seq = gl.load(tiles + 2 * entry)
+        sequence = gl.maximum(seq, 0)
+        q_start, seq_q = sequence_span(cu_seqlens_q, sequence, seqlen_q)
+        k_start, seq_k = sequence_span(cu_seqlens_k, sequence, seqlen_k)
+        return (seq >= 0, 0, gl.program_id(0) // entries, gl.load(tiles + 2 * entry + 1), q_start, seq_q, k_start,
+                seq_k, lo + seq_k - seq_q, hi + seq_k - seq_q, sequence)
+    else:
+        batch, kv_head, n_block = _program_block(num_kv_heads, seqlen_k, BLOCK_N)
+        return True, batch, kv_head, n_block, 0, seqlen_q, 0, seqlen_k, lo, hi, batch
+
+
+@gluon.jit
 def _load_partition(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr):
+                    HAS_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-     kv_ready, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k, lo, hi) = args
+     kv_ready, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k, lo, hi,
+     packed) = args
+    sequences, Lse2, Delta = packed
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    batch, kv_head, n_block = _program_block(num_kv_heads, seqlen_k, BLOCK_N)
-    first_key = n_block * BLOCK_N
+    valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
+        sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
+    if valid:
+        _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                   k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
+                   n_block * BLOCK_N, q_start, seq_q, k_start, seq_lo, seq_hi, Lse2, Delta, BLOCK_M, STAGES, HAS_LEFT,
+                   HAS_RIGHT, VARLEN)
+
+
+@gluon.jit
+def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+               k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
+               first_key, q_start, seqlen_q, k_start, lo, hi, Lse2, Delta,
+               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+               VARLEN: gl.constexpr):
+    """The program's K and V block once, then Q, dO and the row statistics of every query block that
+    sees it, for each query head of the KV head (rows and keys counted from q_start and k_start).
+
+    Packed sequences copy the row statistics with plain loads and shared-memory stores (Lse2 and
+    Delta): a sequence's rows start anywhere, and a bulk copy of a row vector must start 16-byte
+    aligned. The slot's arrival follows the stores, so the consumers' wait orders them."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma_load(k_desc, [batch, kv_head, first_key, 0], kv_ready, k_smem)
-    tma_load(v_desc, [batch, kv_head, first_key, 0], kv_ready, v_smem)
+    tma_load(k_desc, [batch, kv_head, k_start + first_key, 0], kv_ready, k_smem)
+    tma_load(v_desc, [batch, kv_head, k_start + first_key, 0], kv_ready, v_smem)
     m_start, _, _, m_end = query_blocks(first_key, BLOCK_N, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     steps = (m_end - m_start) // BLOCK_M
     for member in range(group_size):
         head = kv_head * group_size + member
-        rows_base = (batch * num_q_heads + head) * padded_q  # of the (B, Hq, padded_q) row statistics
+        # of the (B, Hq, padded_q) row statistics; packed sequences: (1, Hq, padded total)
+        rows_base = (batch * num_q_heads + head) * padded_q + q_start
         for step in range(steps):
             position = member * steps + step
             slot = position % STAGES
             # A free barrier completes once per use; the first wait finds it free.
             mbarrier.wait(q_free.index(slot), ((position // STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                            + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             first_row = m_start + step * BLOCK_M
-            tma_load(q_desc, [batch, head, first_row, 0], q_ready.index(slot), q_smem.index(slot))
-            tma_load(do_desc, [batch, head, first_row, 0], q_ready.index(slot), do_smem.index(slot))
-            tma_load(lse_desc, [rows_base + first_row], q_ready.index(slot), lse_smem.index(slot))
-            tma_load(delta_desc, [rows_base + first_row], q_ready.index(slot), delta_smem.index(slot))
+            if VARLEN:
+                stats = rows_base + first_row + gl.arange(0, BLOCK_M, layout=_ROW_STATS_LAYOUT)
+                lse_smem.index(slot).store(gl.load(Lse2 + stats))
+                delta_smem.index(slot).store(gl.load(Delta + stats))
+                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+                tma_load(lse_desc, [rows_base + first_row], q_ready.index(slot), lse_smem.index(slot))
+                tma_load(delta_desc, [rows_base + first_row], q_ready.index(slot), delta_smem.index(slot))
+            tma_load(q_desc, [batch, head, q_start + first_row, 0], q_ready.index(slot), q_smem.index(slot))
+            tma_load(do_desc, [batch, head, q_start + first_row, 0], q_ready.index(slot), do_smem.index(slot))
 
 
 @gluon.jit
@@ -107,13 +162,14 @@ def _query_steps(
     dk, dv,  # [CONSUMER_KEYS, HEAD_DIM] f32 accumulators
     k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
     q_ready, q_free, ds_ready, ds_free, dq_desc,
-    batch, head, keys, position_base, m_first, m_begin, m_stop, seqlen_k, lo, hi, qk_scale, mods,
+    batch, head, keys, position_base, m_first, m_begin, m_stop, q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
-    DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
 ):
     """Query blocks [m_begin, m_stop) of one head; the block at row m sits at ring position
-    position_base + (m - m_first) / BLOCK_M. ``mods``: ``(softcap_scale, slope, position_offset,
+    position_base + (m - m_first) / BLOCK_M. Packed sequences: rows past the sequence's end (the next
+    sequence's tokens) take the mask, and dQ's rows start at q_start. ``mods``: ``(softcap_scale, slope, position_offset,
     key_positions)``, the score features' values for this head (position_offset = Sk - Sq)."""
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -152,6 +208,8 @@ def _query_steps(
         if MASKED:
             rows = m + gl.arange(0, BLOCK_M, layout=row_layout)
             seen = visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
+            if VARLEN:
+                seen = seen & (rows[None, :] < seqlen_q)
             probs_t = gl.where(seen, probs_t, 0.0)
         dv = warpgroup_mma(gl.convert_layout(probs_t.to(dtype), a_layout), do, dv, is_async=True)
         if SOFTCAP:  # dS takes d(softcap · tanh(s / softcap)) / ds: fold it into P now, and keep one tile
@@ -187,7 +245,7 @@ def _query_steps(
                 tma.store_wait(0)
                 own_dq.reshape([BLOCK_M, DQ_COLUMNS]).store(dq)
                 fence_async_shared()
-                tma_atomic_add(dq_desc, [batch, head, m, DQ_COLUMN0], own_dq)
+                tma_atomic_add(dq_desc, [batch, head, q_start + m, DQ_COLUMN0], own_dq)
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
             mbarrier.arrive(q_free.index(slot), count=1)
@@ -208,19 +266,39 @@ def _consumer_partition(
     args,  # unpacked below
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, q_ready, q_free,
      ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
-     qk_scale, score_args) = args
+     qk_scale, score_args, sequences, packed) = args
+    BLOCK_N: gl.constexpr = k_smem.shape[2]
+    valid, batch, kv_head, n_block, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi, sequence = _program_tile(
+        sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
+    if valid:
+        _consumer_tile(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready,
+                       q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale, qk_scale,
+                       score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k, seq_lo,
+                       seq_hi, sequence, CONSUMER, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
+                       DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+
+
+@gluon.jit
+def _consumer_tile(
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, q_ready, q_free,
+    ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale, qk_scale, score_args, packed,
+    batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence,
+    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+):
+    """One consumer's 64 keys of the program's key block: dK and dV over every query block and
+    query head that sees them, then their stores."""
     AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = accumulator_layout(BLOCK_M)
     kv_layout: gl.constexpr = accumulator_layout(HEAD_DIM)
-    batch, kv_head, n_block = _program_block(num_kv_heads, seqlen_k, BLOCK_N)
-    first_key = n_block * BLOCK_N
     own_first_key = first_key + CONSUMER * CONSUMER_KEYS
     keys = own_first_key + gl.arange(0, CONSUMER_KEYS, layout=gl.SliceLayout(1, s_layout))
     key_positions = keys.to(gl.float32)
@@ -239,38 +317,45 @@ def _consumer_partition(
         position_base = member * steps
         slope = 0.0
         if ALIBI:
-            slope = gl.load(AlibiSlopes + batch.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
+            slope = gl.load(AlibiSlopes + sequence.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
         mods = (softcap_scale, slope, seqlen_k - seqlen_q, key_positions)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, seqlen_k, lo, hi,
-            qk_scale, mods, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE,
-            SOFTCAP, ALIBI)
+            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, q_start,
+            seqlen_q, seqlen_k, lo, hi, qk_scale, mods, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT,
+            COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, seqlen_k, lo, hi,
-            qk_scale, mods, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE,
-            SOFTCAP, ALIBI)
+            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, q_start,
+            seqlen_q, seqlen_k, lo, hi, qk_scale, mods, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT, HAS_RIGHT,
+            COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, seqlen_k, lo, hi,
-            qk_scale, mods, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE,
-            SOFTCAP, ALIBI)
-    # The descriptors clip keys past the end.
+            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, q_start,
+            seqlen_q, seqlen_k, lo, hi, qk_scale, mods, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT,
+            COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
     own_staging = staging.index(CONSUMER)
-    _store_rows_of((dk * scale).to(dtype), own_staging, dk_desc, [batch, kv_head, own_first_key, 0])
-    _store_rows_of(dv.to(dtype), own_staging, dv_desc, [batch, kv_head, own_first_key, 0])
+    if VARLEN and own_first_key + CONSUMER_KEYS > seqlen_k:
+        # The block ends past its sequence: its keys only (the next sequence's rows are another program's).
+        DK, DV, stride_kn, stride_kh = packed[0], packed[1], packed[2], packed[3]
+        offset = k_start.to(gl.int64) * stride_kn + kv_head.to(gl.int64) * stride_kh
+        _store_rows((dk * scale).to(dtype), own_staging, DK + offset, stride_kn, own_first_key, seqlen_k)
+        _store_rows(dv.to(dtype), own_staging, DV + offset, stride_kn, own_first_key, seqlen_k)
+    else:  # the descriptors clip keys past the end of K
+        _store_rows_of((dk * scale).to(dtype), own_staging, dk_desc, [batch, kv_head, k_start + own_first_key, 0])
+        _store_rows_of(dv.to(dtype), own_staging, dv_desc, [batch, kv_head, k_start + own_first_key, 0])
     tma.store_wait(0)
 
 
 @gluon.jit
 def attention_backward_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, AlibiSlopes,
+    CuSeqlensQ, CuSeqlensK, Tiles, DK, DV, Lse2, Delta, stride_kn, stride_kh,
     stride_ab, stride_ah, padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
     qk_scale, softcap_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr,
-    ALIBI: gl.constexpr,
+    ALIBI: gl.constexpr, VARLEN: gl.constexpr,
 ):
     """One program per (batch, KV head, key block of 64 x CONSUMERS keys). Descriptors are
     (B, H, S, D): Q and dO in blocks of BLOCK_M rows, K and V of the whole key block, dK and dV of
@@ -280,7 +365,12 @@ def attention_backward_hopper_kernel(
 
     Score features as in the forward: SOFTCAP (``qk_scale`` is ``scale / softcap``, and dS takes the
     factor ``1 - tanh²``), ALIBI (slopes through stride_ab, stride_ah). The LSE counts the sinks, so
-    the kernel never sees them (their gradient is the launcher's)."""
+    the kernel never sees them (their gradient is the launcher's).
+
+    Packed sequences (VARLEN): the descriptors view (total, H, D) tensors as (1, H, total, D);
+    seqlen_q and seqlen_k are the totals; programs take key blocks from the list in ``Tiles``; DK
+    and DV (token stride stride_kn, head stride stride_kh) take the keys of a block that ends past
+    its sequence; the row statistics are (Hq, padded total), read through Lse2 and Delta."""
     dtype: gl.constexpr = q_desc.dtype
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -314,17 +404,25 @@ def attention_backward_hopper_kernel(
     load_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                  k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q,
                  seqlen_k, lo, hi)
+    if VARLEN:  # the partitions also get the sequences (and the consumers dK's and dV's pointers); dense
+        # builds capture nothing more
+        sequences = (CuSeqlensQ, CuSeqlensK, Tiles)
+        shared = shared + (sequences, (DK, DV, stride_kn, stride_kh))
+        load_args = load_args + ((sequences, Lse2, Delta),)
+    else:  # placeholders, never read
+        shared = shared + (0, 0)
+        load_args = load_args + ((0, 0, 0),)
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI)),
-             (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT))],
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)),
+             (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI)),
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)),
              (_consumer_partition, (shared, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI)),
-             (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT))],
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)),
+             (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

@@ -17,7 +17,7 @@ from ...params import AttentionParams
 from ...runtime import KernelBuildError, run_compiled
 from ..triton.backward import sinks_grad_kernel
 from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
-from ..triton.launch import tma_compatible, window_bounds
+from ..triton.launch import TileList, tma_compatible, window_bounds
 from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
 from .launch import NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout, build_gluon, score_arguments
 
@@ -77,14 +77,15 @@ def _accumulator_layout(rows: int, columns: int):
 # Row statistics: a flat fp32 vector, copied in blocks of BLOCK_M without a swizzle.
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
-_INTEGER_ARGS = ("stride_ab", "stride_ah", "padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
+_INTEGER_ARGS = ("stride_kn", "stride_kh", "stride_ab", "stride_ah", "padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
 
 
 def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, has_right: bool,
                            schedule: HopperBackwardSchedule, compute_dq: bool = True,
-                           features: ScoreFeatures = NO_FEATURES):
+                           features: ScoreFeatures = NO_FEATURES, varlen: bool = False):
     """The Gluon backward's compile source for one static configuration, and its constexpr values
-    (``features.sinks`` changes nothing in the kernel: the LSE counts them)."""
+    (``features.sinks`` changes nothing in the kernel: the LSE counts them; ``varlen``: packed
+    sequences)."""
     element = "bf16" if dtype == torch.bfloat16 else "fp16"
 
     def descriptor_type(rows: int) -> str:
@@ -94,13 +95,15 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
     constants = {"BLOCK_M": schedule.block_m, "STAGES": schedule.stages, "HAS_LEFT": has_left,
                  "HAS_RIGHT": has_right, "CONSUMERS": schedule.consumers, "COMPUTE_DQ": compute_dq,
                  "DQ_ALTERNATE": schedule.dq_alternate(head_dim), "SOFTCAP": features.softcap,
-                 "ALIBI": features.alibi}
+                 "ALIBI": features.alibi, "VARLEN": varlen}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
                  "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
                  "dq_desc": f"tensordesc<fp32[1,1,{dq_block[0]},{dq_block[1]}],{_accumulator_layout(*dq_block)!r}>",
                  "lse_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>",
                  "delta_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>", "AlibiSlopes": "*fp32",
+                 "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32", "DK": f"*{element}", "DV": f"*{element}",
+                 "Lse2": "*fp32", "Delta": "*fp32",
                  **dict.fromkeys(_INTEGER_ARGS, "i32"), "scale": "fp32", "qk_scale": "fp32", "softcap_scale": "fp32",
                  **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_backward_hopper_kernel.arg_names
@@ -114,43 +117,66 @@ def hopper_backward_options(schedule: HopperBackwardSchedule) -> dict:
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_backward(device: torch.device, dtype: torch.dtype, head_dim: int, has_left: bool,
                              has_right: bool, schedule: HopperBackwardSchedule, compute_dq: bool = True,
-                             features: ScoreFeatures = NO_FEATURES):
+                             features: ScoreFeatures = NO_FEATURES, varlen: bool = False):
     """Compiled once per device and static configuration; a failed build returns a
     :class:`fmha.runtime.KernelBuildError` (remembered), and the portable backward runs."""
     return build_gluon(device, lambda: hopper_backward_source(dtype, head_dim, has_left, has_right, schedule, compute_dq,
-                                                              features),
+                                                              features, varlen),
                        hopper_backward_options(schedule), "backward")
 
 
 def backward_tensors_ok(*tensors: torch.Tensor) -> bool:
-    """Whether every (B, H, S, D) tensor can be described to TMA."""
-    return all(tma_compatible(tensor) for tensor in tensors)
+    """Whether every (B, H, S, D) tensor, or packed (total, H, D) one, can be described to TMA."""
+    return all(tma_compatible(tensor if tensor.ndim == 4 else as_batch_of_one(tensor)) for tensor in tensors)
+
+
+def as_batch_of_one(tensor: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, D) tensor as the (1, H, total, D) view the kernels index."""
+    return tensor.unsqueeze(0).transpose(1, 2)
 
 
 class HopperBackward:
     """The Gluon backward for one call signature; calling it writes dq, dk and dv, and with sinks
     ``scores.sinks_grad`` (``scores=ScoreTensors(...)`` for calls with score features)."""
 
-    __slots__ = ("schedule", "compiled", "grid", "integers", "device", "padded_q", "rows_grid", "params")
+    __slots__ = ("schedule", "compiled", "grid", "integers", "device", "padded_q", "rows_grid", "params", "batch",
+                 "seqlen_q", "tile_list")
 
     def __init__(self, params: AttentionParams, schedule: HopperBackwardSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
         features = ScoreFeatures.of(params.options)
         built = compiled_hopper_backward(params.device, params.dtype, params.head_dim, has_left, has_right,
-                                         schedule, features=features)
+                                         schedule, features=features, varlen=params.varlen)
         if isinstance(built, KernelBuildError):
             raise built
         self.params, self.schedule, self.device = params, schedule, params.device
         self.compiled, constants = built
-        self.padded_q = -(-params.seqlen_q // 128) * 128
-        self.grid = -(-params.seqlen_k // schedule.block_n) * params.batch * params.kv_heads
-        self.rows_grid = (self.padded_q // ROWS_BLOCK, params.batch * params.q_heads)
-        self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, params.seqlen_q,
-                         params.seqlen_k, lo, hi, params.options.scale, *features.scalars(params.options), *constants)
+        if params.varlen:  # one batch of the packed rows; programs take key blocks from the list
+            self.batch, self.seqlen_q, seqlen_k = 1, params.total_q, params.total_k
+            self.tile_list = TileList(params.batch, params.total_k, schedule.block_n, from_end=True)
+            self.grid = self.tile_list.entries * params.kv_heads
+        else:
+            self.batch, self.seqlen_q, seqlen_k = params.batch, params.seqlen_q, params.seqlen_k
+            self.tile_list = None
+            self.grid = -(-seqlen_k // schedule.block_n) * params.batch * params.kv_heads
+        self.padded_q = -(-self.seqlen_q // 128) * 128
+        self.rows_grid = (self.padded_q // ROWS_BLOCK, self.batch * params.q_heads)
+        self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, self.seqlen_q,
+                         seqlen_k, lo, hi, params.options.scale, *features.scalars(params.options), *constants)
 
-    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, scores=None) -> None:
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
+                 scores=None) -> None:
         p = self.params
-        rows = p.batch * p.q_heads * self.padded_q
+        if p.varlen:  # every tensor as its (1, H, total, D) view; the LSE (Hq, total) as (1, Hq, total)
+            tiles = self.tile_list(cu_seqlens_k)
+            sequences = (cu_seqlens_q, cu_seqlens_k, tiles)
+            packed_strides = dk.stride()[:2]
+            dout, q, k, v, out, dq, dk, dv = (as_batch_of_one(t) for t in (dout, q, k, v, out, dq, dk, dv))
+            lse = lse.unsqueeze(0)
+        else:
+            sequences, packed_strides = (lse, lse, lse), (0, 0)  # not read
+        batch, seqlen_q = self.batch, self.seqlen_q
+        rows = batch * p.q_heads * self.padded_q
         head_dim = p.head_dim
         # One allocation: the LSE (log2), delta and the dQ buffer; rows is a multiple of 128, so
         # every part starts 16-byte aligned for TMA.
@@ -158,18 +184,19 @@ class HopperBackward:
         lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:]
         backward_rows_kernel[self.rows_grid](
             out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride()[:2],
-            p.q_heads, p.seqlen_q, self.padded_q,
+            p.q_heads, seqlen_q, self.padded_q,
             HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, num_warps=4, **COMPILE_OPTIONS)
         if scores is not None and scores.sinks is not None:  # needs only the LSE and delta
             sinks_grad_kernel[(p.q_heads,)](
                 lse2, delta, scores.sinks, scores.sinks_grad, p.q_heads * self.padded_q, self.padded_q,
-                scores.sinks.stride(0), p.batch, p.seqlen_q, BLOCK=1024, LSE_LOG2=True, **COMPILE_OPTIONS)
+                scores.sinks.stride(0), batch, seqlen_q, BLOCK=1024, LSE_LOG2=True, **COMPILE_OPTIONS)
         alibi, _, (stride_ab, stride_ah, _) = score_arguments(scores, lse2)
-        accum = dq_accum.view(p.batch, p.q_heads, self.padded_q, head_dim)
+        accum = dq_accum.view(batch, p.q_heads, self.padded_q, head_dim)
         descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, dk, dv, accum))
         row_stats = (_HostDescriptor(lse2, [rows], [1]), _HostDescriptor(delta, [rows], [1]))
         run_compiled(self.compiled, self.grid, self.device,
-                     (*descriptors, *row_stats, alibi, stride_ab, stride_ah, *self.integers))
-        finish_dq_kernel[(-(-p.seqlen_q // ROWS_BLOCK), p.batch * p.q_heads)](
-            dq_accum, dq, *dq.stride(), p.q_heads, p.seqlen_q, self.padded_q, p.options.scale,
+                     (*descriptors, *row_stats, alibi, *sequences, dk, dv, lse2, delta, *packed_strides, stride_ab, stride_ah,
+                      *self.integers))
+        finish_dq_kernel[(-(-seqlen_q // ROWS_BLOCK), batch * p.q_heads)](
+            dq_accum, dq, *dq.stride(), p.q_heads, seqlen_q, self.padded_q, p.options.scale,
             HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, num_warps=4, **COMPILE_OPTIONS)
