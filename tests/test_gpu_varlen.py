@@ -52,6 +52,20 @@ def visible_window(seqlen_q, seqlen_k, left, right, causal):
     return Window.of(seqlen_q, seqlen_k, left=left, right=right)
 
 
+def check_packed_grads(grads, q, k, v, dout, lengths_q, lengths_k, window, causal):
+    """Each sequence's gradients against float64; sequences with no rows or no keys get zeros."""
+    dq, dk, dv = grads
+    for rows, keys in spans(lengths_q, lengths_k):
+        seqlen_q, seqlen_k = rows.stop - rows.start, keys.stop - keys.start
+        if seqlen_q == 0 or seqlen_k == 0:
+            for grad, span in ((dq, rows), (dk, keys), (dv, keys)):
+                assert torch.equal(grad[span], torch.zeros_like(grad[span]))
+            continue
+        inputs = [as_bhsd(t.detach()) for t in (q[rows], k[keys], v[keys])]
+        assert_grads_close((as_bhsd(dq[rows]), as_bhsd(dk[keys]), as_bhsd(dv[keys])), *inputs,
+                           as_bhsd(dout[rows]), window=visible_window(seqlen_q, seqlen_k, *window, causal))
+
+
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda heads: f"h{heads[0]}-kv{heads[1]}")
@@ -89,16 +103,8 @@ def test_varlen_backward_gpu(window, head_dim, heads, causal):
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, *heads, head_dim, seed, grad=True)
     out = fmha.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal, window=window)
     dout = torch.randn_like(out)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    for rows, keys in spans(lengths_q, lengths_k):
-        seqlen_q, seqlen_k = rows.stop - rows.start, keys.stop - keys.start
-        if seqlen_q == 0 or seqlen_k == 0:
-            for grad, span in ((dq, rows), (dk, keys), (dv, keys)):
-                assert torch.equal(grad[span], torch.zeros_like(grad[span]))
-            continue
-        inputs = [as_bhsd(t.detach()) for t in (q[rows], k[keys], v[keys])]
-        assert_grads_close((as_bhsd(dq[rows]), as_bhsd(dk[keys]), as_bhsd(dv[keys])), *inputs,
-                           as_bhsd(dout[rows]), window=visible_window(seqlen_q, seqlen_k, *window, causal))
+    check_packed_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, lengths_q, lengths_k, window,
+                       causal)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -115,16 +121,8 @@ def test_varlen_backward_runs_the_gluon_kernel_on_hopper_gpu(head_dim):
     assert hopper is not None, reason
     out = fmha.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
     dout = torch.randn_like(out)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    for rows, keys in spans(lengths_q, lengths_k):
-        seqlen_q, seqlen_k = rows.stop - rows.start, keys.stop - keys.start
-        if seqlen_q == 0 or seqlen_k == 0:
-            for grad, span in ((dq, rows), (dk, keys), (dv, keys)):
-                assert torch.equal(grad[span], torch.zeros_like(grad[span]))
-            continue
-        inputs = [as_bhsd(t.detach()) for t in (q[rows], k[keys], v[keys])]
-        assert_grads_close((as_bhsd(dq[rows]), as_bhsd(dk[keys]), as_bhsd(dv[keys])), *inputs,
-                           as_bhsd(dout[rows]), window=visible_window(seqlen_q, seqlen_k, None, None, True))
+    check_packed_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, lengths_q, lengths_k,
+                       (None, None), True)
 
 
 def test_one_long_and_many_short_sequences_gpu():
