@@ -120,6 +120,82 @@ def test_dropout_matches_float64_with_the_kernels_pattern_gpu(causal, head_dim):
     assert_grads_close(grads, q, k, v, dout, **dropout, **offset)
 
 
+def skip_off_hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are built for sm_90")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(700, 900), (1500, 500)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_forward_drops_the_portable_pattern_gpu(head_dim, seqlen_q, seqlen_k, causal):
+    """The Gluon forward (sm_90) keeps the portable kernels' pattern: float64 with that pattern, the
+    portable backward's gradients after it, and the portable forward's output for the same generator
+    state. (1500, 500) causal: rows that see no key, and rows whose only keys may all be dropped."""
+    skip_off_hopper()
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash(("dropout", head_dim, seqlen_q, causal)) % 2**31, grad=True)
+    hopper = fmha.HopperSchedule()
+    explanation = fmha.explain(q, k, v, causal=causal, dropout_p=0.3, config=hopper)
+    assert explanation.backend == "gluon_sm90" and explanation.backward.startswith("triton"), str(explanation)
+    generator = torch.Generator(device="cuda")
+    generator.manual_seed(21)
+    out, lse = fmha.attention(q, k, v, causal=causal, dropout_p=0.3, generator=generator, return_lse=True,
+                              config=hopper)
+    generator.manual_seed(21)
+    keep = dropout_keep_mask(ops.dropout_seed(generator, q.device), 2 * Q_HEADS * seqlen_q, seqlen_k, 0.3)
+    keep = keep.view(2, Q_HEADS, seqlen_q, seqlen_k)
+    offset = dict(causal_offset=seqlen_k - seqlen_q) if causal else {}
+    dropout = dict(dropout_p=kernel_dropout_p(0.3), keep=keep)
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), lse=lse, atol=1e-5, **dropout,
+                              **offset)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_grads_close(grads, q, k, v, dout, **dropout, **offset)
+    generator.manual_seed(21)
+    portable = fmha.attention(q.detach(), k.detach(), v.detach(), causal=causal, dropout_p=0.3, generator=generator,
+                              config=fmha.ForwardConfig(64, 64, 4, 3))
+    # Another pattern would move outputs by about the dropout's noise, sqrt(0.3 / 0.7 / Sk) · |v| ~ 0.02.
+    torch.testing.assert_close(out.detach(), portable, atol=4e-3, rtol=1.6e-2)
+
+
+def test_hopper_varlen_forward_drops_the_portable_pattern_gpu():
+    """Packed sequences on the Gluon forward (the default path at D=128): rows (head, packed token),
+    each sequence's keys counted from its start, as the portable kernels number them."""
+    skip_off_hopper()
+    from fmha import dispatch
+    from fmha.masking import Window
+    from fmha.params import varlen_params
+
+    lengths_q, lengths_k, head_dim = [1100, 700, 1300], [1200, 700, 1500], 128
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for lengths in (lengths_q, lengths_k))
+    generator = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(sum(lengths_q), Q_HEADS, head_dim, device="cuda", generator=generator, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lengths_k), KV_HEADS, head_dim, device="cuda", generator=generator, dtype=torch.bfloat16)
+            for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    lengths = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    params = varlen_params("test", q, k, v, *lengths, causal=True, dropout_p=0.3)
+    assert dispatch.prepared_forward(params, q, k, v, cu_q, cu_k).explanation.backend == "gluon_sm90"
+    generator.manual_seed(31)
+    out, lse = fmha.varlen_attention(q, k, v, *lengths, causal=True, dropout_p=0.3, generator=generator,
+                                     return_lse=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    generator.manual_seed(31)
+    keep = dropout_keep_mask(ops.dropout_seed(generator, q.device), Q_HEADS * q.shape[0], k.shape[0], 0.3)
+    keep = keep.view(Q_HEADS, q.shape[0], k.shape[0])
+    for b in range(len(lengths_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        q_b, k_b, v_b, out_b, dout_b = (t[s].detach().transpose(0, 1)[None] for t, s in
+                                        ((q, rows), (k, keys), (v, keys), (out, rows), (dout, rows)))
+        dropout = dict(dropout_p=kernel_dropout_p(0.3), keep=keep[:, rows, :lengths_k[b]][None])
+        window = Window.causal(lengths_k[b] - lengths_q[b])
+        assert_close_to_reference(out_b, q_b, k_b, v_b, window=window, lse=lse[:, rows][None], atol=1e-5, **dropout)
+        grads_b = [g[s].transpose(0, 1)[None] for g, s in ((dq, rows), (dk, keys), (dv, keys))]
+        assert_grads_close(grads_b, q_b, k_b, v_b, dout_b, window=window, **dropout)
+
+
 def test_dropout_is_reproducible_and_fresh_under_cuda_graphs_gpu():
     q, k, v = inputs(512, 512, 128, 9, grad=True)
     dout = torch.randn(2, Q_HEADS, 512, 128, device="cuda", dtype=torch.bfloat16)

@@ -5,6 +5,7 @@ takes this kernel there); here it is built for sm_90a with Triton's bundled ptxa
 read back: warpgroup MMAs fed by bulk tensor copies, and no slow fallbacks.
 """
 
+import dataclasses
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ gluon = pytest.importorskip("triton.experimental.gluon")
 # own jit helpers such as gl.max are then interpreted functions), so a clean child process builds
 # them and reports what the SASS contains.
 _BUILD_SCRIPT = r"""
-import json, subprocess, sys, tempfile
+import json, re, subprocess, sys, tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -48,7 +49,8 @@ for variant in json.loads(sys.argv[1]):
                               q_buffers=q_buffers, ctas_per_sm=ctas_per_sm)
     # The very source, signature and options the launcher compiles on a GPU.
     alibi = 2 if "alibi_causal" in extra else int("alibi" in extra)
-    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=alibi, sinks="sinks" in extra)
+    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=alibi, sinks="sinks" in extra,
+                                    dropout="dropout" in extra)
     source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left="left" in extra,
                                              varlen="varlen" in extra, features=features)
     try:
@@ -62,6 +64,9 @@ for variant in json.loads(sys.argv[1]):
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2", "MUFU.TANH",
                                                  "STL")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
+        # shared-memory stores and loads (STS, LDS; not STSM, LDSM)
+        "sts": len(re.findall(r"\bSTS\b", sass)), "lds": len(re.findall(r"\bLDS\b", sass)),
+        "wide_multiplies": sass.count("IMAD.WIDE.U32"),
         "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
         "maxnreg": int(compiled.asm["ptx"].split(".maxnreg")[1].split()[0])}
 print(json.dumps(report))
@@ -80,7 +85,11 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (128, True, 2, 128, 2, 0, 2, 1, "softcap"), (64, False, 2, 128, 2, 8, 2, 1, "softcap"),
             (128, False, 2, 128, 2, 0, 2, 1, "softcap", "alibi", "sinks"),
             (64, True, 2, 128, 2, 8, 2, 1, "alibi", "sinks", "left", "varlen"),
-            (128, True, 2, 128, 2, 0, 2, 1, "alibi_causal"), (64, True, 2, 128, 2, 8, 2, 1, "alibi_causal", "softcap")]
+            (128, True, 2, 128, 2, 0, 2, 1, "alibi_causal"), (64, True, 2, 128, 2, 8, 2, 1, "alibi_causal", "softcap"),
+            (64, False, 2, 128, 2, 8, 2, 1, "dropout"), (64, True, 2, 128, 2, 8, 2, 1, "dropout"),
+            (128, False, 2, 128, 2, 0, 2, 1, "dropout"), (128, True, 2, 128, 2, 0, 2, 1, "dropout"),
+            (64, True, 1, 64, 2, 0, 2, 3, "dropout"), (128, True, 2, 128, 2, 0, 2, 1, "varlen", "dropout"),
+            (128, False, 2, 128, 2, 0, 2, 1, "softcap", "alibi", "sinks", "dropout")]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +120,18 @@ def test_emulated_exponentials_leave_the_mufu_unit(hopper_builds):
     plain = hopper_builds["64,False,2,128,2,0,2,1"]["counts"]["MUFU.EX2"]
     emulated = hopper_builds["64,False,2,128,2,8,2,1"]["counts"]["MUFU.EX2"]
     assert emulated < plain
+
+
+@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if "dropout" in variant], ids=str)
+def test_dropout_draws_in_registers(hopper_builds, variant):
+    """Each thread draws the bits of its own accumulator columns: no tile passes through shared
+    memory. The partitions' captured arguments (the seed's pointer, the threshold and the scale,
+    16 bytes) are the only shared memory added; Philox multiplies by IMAD.WIDE.U32."""
+    plain = hopper_builds[",".join(map(str, [part for part in variant if part != "dropout"]))]
+    build = hopper_builds[",".join(map(str, variant))]
+    assert 0 <= build["shared"] - plain["shared"] <= 16
+    assert (build["sts"], build["lds"]) == (plain["sts"], plain["lds"])
+    assert build["wide_multiplies"] > plain["wide_multiplies"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -190,6 +211,35 @@ def test_refusals_name_the_reason(monkeypatch, reason, pattern):
     else:
         found = refusal(tensor(shape=(1, 2, 128, 68))[..., :64])  # rows 136 bytes apart: not 16-byte aligned
     assert found is not None and pattern in found
+
+
+def test_dropout_runs_the_gluon_forward_and_the_portable_backward(monkeypatch):
+    """The Gluon forward draws the portable kernels' bits, so the portable backward can follow it."""
+    monkeypatch.setattr(hopper_backend, "INTERPRETED", False)
+    monkeypatch.setattr(hopper_backend, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(hopper_backend, "gluon_unavailable", lambda: None)
+    q = torch.empty((2, 4, 256, 128), dtype=torch.bfloat16)
+
+    def on_cuda(**kwargs):
+        params = attention_params("test", q, q, q, **kwargs)
+        return dataclasses.replace(params, device=torch.device("cuda", 0))
+
+    backend = hopper_backend.HopperBackend()
+    for dropout_p in (0.0, 0.1):
+        assert backend.refusal(on_cuda(dropout_p=dropout_p), q, q, q) is None
+    assert backend.backward_refusal(on_cuda(), *[q] * 7) is None
+    assert "dropout" in backend.backward_refusal(on_cuda(dropout_p=0.1), *[q] * 7)
+
+
+def test_dropout_probabilities_that_drop_nothing_build_without_it():
+    from fmha.backends.gluon_sm90 import launch
+
+    q = torch.empty((1, 2, 100, 64), dtype=torch.float16)
+    features = [launch.ScoreFeatures.of(attention_params("test", q, q, q, dropout_p=p).options)
+                for p in (0.0, 0.4 / 2 ** 16, 0.6 / 2 ** 16, 1.0)]
+    assert [f.dropout for f in features] == [False, False, True, True]
+    assert launch.ScoreFeatures.dropout_scalars(attention_params("test", q, q, q, dropout_p=0.25).options) == (
+        16384, 4 / 3)
 
 
 def test_an_explicit_schedule_that_cannot_run_raises_instead_of_switching_kernels():

@@ -2,16 +2,20 @@
 interpreter: forward and gradients against float64, torch's SDPA as the oracle for masks, and
 dropout's statistics and reproducibility."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
 from fmha import ops
 from fmha.backends.gluon_sm90.backend import score_features_refusal
 from fmha.backends.triton.config import SplitKVConfig
-from fmha.backends.triton.launch import dropout_keep_mask, kernel_dropout_p
+from fmha.backends.triton.launch import dropout_keep_mask, dropout_threshold, kernel_dropout_p
+from fmha.backends.triton.scores import dropout_keep
 from fmha.masking import Window
 from fmha.params import attention_params
 from fmha.reference import dense_attention
@@ -230,6 +234,99 @@ def test_dropout_pattern_is_the_same_for_every_tile_width(block_keys):
     assert 0.4 < narrow.float().mean() < 0.6
 
 
+# Philox-4x32-10 and the key-to-draw mapping in NumPy: the arithmetic the Gluon forward writes
+# again (fmha.backends.gluon_sm90.scores), checked against the portable kernels' pattern.
+
+WORD = 0xFFFFFFFF
+
+
+def philox_reference(c0, c1, c2, c3, key0, key1):
+    """Philox-4x32-10 (Salmon et al., SC 2011) on uint64 arrays of 32-bit words; the key as ints."""
+    for _ in range(10):
+        product_b, product_a = c2 * 0xCD9E8D57, c0 * 0xD2511F53  # 32 x 32 bits: exact in 64
+        c0, c1, c2, c3 = ((product_b >> 32) ^ c1 ^ key0, product_b & WORD,
+                          (product_a >> 32) ^ c3 ^ key1, product_a & WORD)
+        key0, key1 = (key0 + 0x9E3779B9) & WORD, (key1 + 0xBB67AE85) & WORD
+    return c0, c1, c2, c3
+
+
+def counter_words(seed: int, counters):
+    """``tl.randint4x(seed, counters)``: the 64-bit counter's halves as c0 and c1, c2 = c3 = 0, and
+    the seed's halves as the key."""
+    counters = np.asarray(counters, dtype=np.uint64)
+    zeros = np.zeros_like(counters)
+    return philox_reference(counters & WORD, counters >> 32, zeros, zeros, seed & WORD, seed >> 32)
+
+
+def keep_reference(seed: int, row_counters, keys, threshold: int):
+    """Key j of a row keeps its probability where half j % 2 of word (j // 8) % 4 of counter
+    ``row_counter + 4 · (j // 32) + (j % 8) // 2`` is >= threshold."""
+    keys = np.asarray(keys, dtype=np.uint64)[None, :]
+    counters = np.asarray(row_counters, dtype=np.uint64)[:, None] + 4 * (keys // 32) + (keys % 8) // 2
+    words = np.choose(((keys // 8) % 4).astype(np.intp), counter_words(seed, counters))
+    return (words >> (16 * (keys % 2))) & 0xFFFF >= threshold
+
+
+def test_philox_reference_gives_the_known_answers():
+    # Random123's known-answer vectors of philox4x32-10
+    vectors = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+               ((WORD,) * 4, (WORD, WORD), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+               ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+                (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, expected in vectors:
+        words = philox_reference(*(np.array([c], dtype=np.uint64) for c in counter), *key)
+        assert tuple(int(word[0]) for word in words) == expected
+
+
+@pytest.mark.parametrize("dropout_p", [0.3, 0.5 / 2 ** 16 + 1e-9, 1 - 1e-6])
+def test_dropout_pattern_is_philox_of_its_documented_counters(dropout_p):
+    key = ops.dropout_seed(torch.Generator().manual_seed(11), "cpu")
+    rows, keys = 37, 200  # counters of 4 · ceil(200 / 32) = 28 per row
+    expected = keep_reference(int(key.item()), np.arange(rows) * 28, np.arange(keys), dropout_threshold(dropout_p))
+    np.testing.assert_array_equal(dropout_keep_mask(key, rows, keys, dropout_p).numpy(), expected)
+
+
+@triton.jit
+def _keep_from_counters(RngState, Keep, first_counter, rng_groups, threshold,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_counters = first_counter + rows.to(tl.int64) * rng_groups
+    keep = dropout_keep(tl.load(RngState), row_counters, tl.program_id(0) * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
+    tl.store(Keep + rows[:, None] * (tl.num_programs(0) * BLOCK_N) + keys[None, :], keep)
+
+
+def test_dropout_counters_past_32_bits():
+    # Calls with B · H · Sq · 4 · ceil(Sk / 32) >= 2^32 counters: c1 holds the counter's high word.
+    key = ops.dropout_seed(torch.Generator().manual_seed(12), "cpu")
+    first_counter, rng_groups = 2 ** 32 - 40, 12  # rows on both sides of 2^32, and far past it
+    for start in (first_counter, 3 * 2 ** 40 + 7):
+        keep = torch.empty(16, 96, dtype=torch.bool)
+        _keep_from_counters[(3,)](key, keep, start, rng_groups, 20000, BLOCK_M=16, BLOCK_N=32)
+        expected = keep_reference(int(key.item()), start + np.arange(16) * rng_groups, np.arange(96), 20000)
+        np.testing.assert_array_equal(keep.numpy(), expected)
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_gluon_forward_draw_tiles_give_the_same_pattern(block_n):
+    """The steps of fmha.backends.gluon_sm90.scores.dropped in NumPy (``gl.join`` stacks on a new
+    last axis): a [rows, block_n // 8] tile of counters, whose four words expand to the keys of a
+    block, and the two bounds that compare the low and the high halves."""
+    seed = int(ops.dropout_seed(torch.Generator().manual_seed(13), "cpu").item())
+    rows, keys_per_row = 64, 1000
+    row_counters = (np.arange(rows, dtype=np.uint64) + 5000) * (4 * -(-keys_per_row // 32))
+    for threshold in (1, 2, 19661, 65535, 65536):
+        low_bound, high_bound = threshold - 1, (threshold - 1) * 65536 + 0xFFFF
+        for key_start in range(0, keys_per_row, block_n):
+            counters = row_counters[:, None] + np.uint64(key_start // 8) + np.arange(block_n // 8, dtype=np.uint64)
+            word0, word1, word2, word3 = counter_words(seed, counters)
+            words = np.stack([np.stack([word0, word1], -1), np.stack([word2, word3], -1)], -1)
+            keep = np.stack([(words & 0xFFFF) > low_bound, words > high_bound], -1)
+            keep = keep.reshape(rows, block_n // 32, 4, 2, 2, 2).transpose(0, 1, 4, 3, 2, 5).reshape(rows, block_n)
+            expected = keep_reference(seed, row_counters, np.arange(key_start, key_start + block_n), threshold)
+            np.testing.assert_array_equal(keep, expected)
+
+
 def test_dropout_with_wide_key_tiles_matches_float64():
     # The forward in tiles of 64 keys, the backward in tiles of 16: one pattern.
     q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 2, 20, 150, 16, torch.float32))
@@ -337,10 +434,11 @@ def test_custom_op_schemas_name_every_argument_once():
 
 def test_hopper_kernels_refuse_the_features_they_lack():
     q, k, v = random_qkv(1, 2, 2, 8, 8, 16, torch.float16)
-    options = attention_params("t", q, k, v, softcap=2.0, sinks=torch.zeros(2), dropout_p=0.1).options
-    assert score_features_refusal(options) == "dropout not built here yet"
-    options = attention_params("t", q, k, v, softcap=2.0, sinks=torch.zeros(2), alibi_slopes=torch.ones(2)).options
+    options = attention_params("t", q, k, v, softcap=2.0, sinks=torch.zeros(2), alibi_slopes=torch.ones(2),
+                               dropout_p=0.1).options
     assert score_features_refusal(options) is None
+    options = attention_params("t", q, k, v, attn_mask_kind="bool").options
+    assert score_features_refusal(options) == "an attn_mask not built here yet"
     assert fmha.explain(q, k, v, softcap=2.0).backend == "triton"
 
 

@@ -34,6 +34,11 @@ next sequence's tokens, which the mask hides, and a tile that ends past its sequ
 rows without the bulk copy. A tile walks only the key blocks its rows can see (:mod:`fmha.backends.gluon_sm90.masking`:
 a left and a right bound, each optional); keys past the end and outside the window in the edge
 blocks are masked to -inf.
+
+Dropout (DROPOUT) keeps the portable kernels' pattern bit for bit, so that their backward, which
+regenerates it, can follow this forward: each consumer thread runs Philox for the counters of its
+own accumulator columns (:func:`fmha.backends.gluon_sm90.scores.dropped`) after the block's row
+sum, which counts every probability; only the kept ones enter P·V.
 """
 
 from triton.experimental import gluon
@@ -48,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...compat import cta_barrier, tma_load, tma_store
 from .masking import key_blocks, sequence_span, visible
-from .scores import ALIBI_CAUSAL, tanh_approx
+from .scores import ALIBI_CAUSAL, draw_layout, dropout_key, dropped, tanh_approx
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -286,7 +291,7 @@ def _softmax_block(
 ):
     """Probabilities of the key block starting at key_start (its keys are key_start + keys0), the
     accumulator's rescale factor, the new max and sum. ``mods``: the score features' values
-    ``(softcap_scale, slope, row_positions, key_term)`` (:func:`_tile_mods`).
+    ``(softcap_scale, slope, row_positions, key_term, dropout)`` (:func:`_tile_mods`).
 
     Each score is ``scores * qk_scale + row_shift`` in log2 units: without ALiBi the row shift is 0
     and the scale joins the max's subtraction in one FMA per score. With ALIBI_CAUSAL every visible
@@ -296,7 +301,7 @@ def _softmax_block(
     and an FMA, and the block-relative terms stay small (no cancellation against large positions)."""
     row_shift = 0.0
     if SOFTCAP or ALIBI:
-        softcap_scale, slope, row_positions, key_term = mods
+        softcap_scale, slope, row_positions, key_term, _ = mods
         if SOFTCAP:
             scores = tanh_approx(scores * qk_scale)
             qk_scale = softcap_scale
@@ -323,10 +328,11 @@ def _softmax_block(
 
 
 @gluon.jit
-def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, key_positions, ALIBI: gl.constexpr):
-    """``(softcap_scale, slope, row_positions, key_term)`` of a tile: its head's ALiBi slope (log2
-    units), the rows' positions ``i + Sk - Sq`` as floats, and per key of a block its position
-    (``keys0``), or with ALIBI_CAUSAL its bias ``slope · keys0`` (placeholders where off)."""
+def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, key_positions, dropout, ALIBI: gl.constexpr):
+    """``(softcap_scale, slope, row_positions, key_term, dropout)`` of a tile: its head's ALiBi slope
+    (log2 units), the rows' positions ``i + Sk - Sq`` as floats, per key of a block its position
+    (``keys0``), or with ALIBI_CAUSAL its bias ``slope · keys0`` (placeholders where off), and
+    ``dropout`` (:func:`_tile_dropout`) as given."""
     AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args[0], score_args[1], score_args[2], score_args[3]
     slope = 0.0
     key_term = key_positions
@@ -335,7 +341,20 @@ def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, key_positio
         if ALIBI == ALIBI_CAUSAL:
             key_term = slope * key_positions
     row_positions = (rows + (seqlen_k - seqlen_q)).to(gl.float32)
-    return softcap_scale, slope, row_positions, key_term
+    return softcap_scale, slope, row_positions, key_term, dropout
+
+
+@gluon.jit
+def _tile_dropout(rows, rng_row, rng_groups, rng_key, threshold, BLOCK_N: gl.constexpr):
+    """``(key, row_counters, bounds)`` of a tile: the Philox key, each row's first counter and the
+    bounds that keep a draw (:func:`fmha.backends.gluon_sm90.scores.dropped`; ``threshold`` >= 1).
+    Counters are numbered as the portable kernels number them (:func:`fmha.backends.triton.scores.score_mods`):
+    row i of the tile's (batch, head) is row ``rng_row + i`` of the call, whose counters start at
+    ``(rng_row + i) · rng_groups``."""
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, draw_layout(BLOCK_N)), assert_trivial=True)
+    row_counters = (rng_row + rows.to(gl.int64)) * rng_groups
+    threshold = threshold.to(gl.uint32)
+    return rng_key, row_counters, (threshold - 1, (threshold - 1) * 65536 + 0xFFFF)
 
 
 @gluon.jit
@@ -362,10 +381,10 @@ def _pipelined_blocks(
     rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
-    sits at ring position ring_base + b."""
+    sits at ring position ring_base + b. ``probs``: those of the block before, dropout applied."""
     ROWS: gl.constexpr = q.shape[0]
     p_layout: gl.constexpr = operand_layout(HEAD_DIM)
     o_rows: gl.constexpr = gl.SliceLayout(1, accumulator_layout(HEAD_DIM))
@@ -387,6 +406,8 @@ def _pipelined_blocks(
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods,
             MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+        if DROPOUT:  # the row sum counts every probability, P·V only the kept ones
+            probs = dropped(probs, block * BLOCK_N, mods[4])
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_free.index(prev_slot), count=1)
         acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
@@ -426,7 +447,7 @@ def _consumer_partition(
     shared,  # the runtime arguments every consumer gets, unpacked below
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
-    VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
+    VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     if VARLEN:  # also the sequences, and the output's pointer and strides
         (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
@@ -447,6 +468,9 @@ def _consumer_partition(
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     key_positions = keys0.to(gl.float32)
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+    if DROPOUT:  # the call's Philox key; every row's keys (Sk, or the packed total) take four counters per 32
+        rng_key = dropout_key(score_args[6])
+        rng_groups = (gl.cdiv(seqlen_k, 32) * 4).to(gl.int64)
     ring_position = 0
     tile_count = 0
     for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
@@ -458,7 +482,11 @@ def _consumer_partition(
             ring_base = ring_position - start  # key block b sits at ring position ring_base + b
             row0 = first_row + CONSUMER * ROWS
             rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
-            mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, key_positions, ALIBI)
+            dropout = 0
+            if DROPOUT:  # counter rows as the portable kernels number them: (batch, head, row), or (head, packed row)
+                rng_row = (batch * num_q_heads + head).to(gl.int64) * seqlen_q + q_start
+                dropout = _tile_dropout(rows, rng_row, rng_groups, rng_key, score_args[7], BLOCK_N)
+            mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, key_positions, dropout, ALIBI)
             row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
             row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -477,6 +505,8 @@ def _consumer_partition(
                 probs, row_max, row_sum = _softmax_first_block(
                     scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods,
                     (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+                if DROPOUT:
+                    probs = dropped(probs, start * BLOCK_N, mods[4])
                 # Blocks wholly visible to every row run without masks; the window's edges and the end
                 # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
                 unmasked_start = gl.maximum(full_start, start + 1)
@@ -485,15 +515,18 @@ def _consumer_partition(
                     acc, probs, row_max, row_sum = _pipelined_blocks(
                         acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
                         rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
-                        mods, HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+                        mods, HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
+                        DROPOUT)
                 acc, probs, row_max, row_sum = _pipelined_blocks(
                     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
                     rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
-                    mods, HEAD_DIM, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+                    mods, HEAD_DIM, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
+                    DROPOUT)
                 acc, probs, row_max, row_sum = _pipelined_blocks(
                     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
                     rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
-                    mods, HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+                    mods, HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
+                    DROPOUT)
                 last = ring_position + end - start - 1
                 last_slot = last % STAGES
                 mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
@@ -514,11 +547,17 @@ def _consumer_partition(
                 top = gl.where(top == float("-inf"), 0.0, top)
                 kept = gl.exp2(row_max - top)
                 total = gl.where(seen, row_sum * kept + gl.exp2(sink - top), 1.0)
-                out = acc * gl.convert_layout(gl.where(seen, kept / total, 0.0), o_rows)[:, None]
+                factor = gl.where(seen, kept / total, 0.0)
+                if DROPOUT:  # kept probabilities count 1 / (1 - p) times
+                    factor = factor * score_args[8]
+                out = acc * gl.convert_layout(factor, o_rows)[:, None]
                 lse = gl.where(seen, (top + gl.log2(total)) * LN_2, float("-inf"))
             else:
                 row_sum_safe = gl.where(seen, row_sum, 1.0)
-                out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
+                if DROPOUT:  # kept probabilities count 1 / (1 - p) times
+                    out = acc * gl.convert_layout(score_args[8] / row_sum_safe, o_rows)[:, None]
+                else:
+                    out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
                 lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
             if VARLEN:  # (Hq, total_q)
                 lse_base = Lse + head.to(gl.int64) * stride_lh + q_start
@@ -540,13 +579,14 @@ def _consumer_partition(
 
 @gluon.jit
 def attention_forward_hopper_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, Out, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Sinks,
+    q_desc, k_desc, v_desc, o_desc, Lse, Out, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Sinks, RngState,
     stride_lh, stride_om, stride_oh, stride_ab, stride_ah, stride_sh,
-    num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, softcap_scale, num_tiles,
+    num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, softcap_scale, dropout_threshold, dropout_scale,
+    num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
     HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
-    VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr,
+    VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
     with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 1, 2 or 3, Q_BUFFERS 1 or 2;
@@ -559,7 +599,9 @@ def attention_forward_hopper_kernel(
     Score features (:mod:`fmha.backends.gluon_sm90.scores`): SOFTCAP (``qk_scale`` is then
     ``scale / softcap``, ``softcap_scale`` is ``softcap · log2 e``), ALIBI (slopes (B, Hq) through
     stride_ab, stride_ah; stride_ab 0 for (Hq,); ALIBI_CAUSAL where no row sees a key after its
-    position), SINKS (one per query head, stride_sh)."""
+    position), SINKS (one per query head, stride_sh), DROPOUT (the int64 Philox seed at RngState;
+    a draw >= ``dropout_threshold``, from 1 to 2^16, keeps its probability in P·V, and the output
+    is scaled by ``dropout_scale``; the statistics and the LSE are those before dropout)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
@@ -581,7 +623,8 @@ def attention_forward_hopper_kernel(
         mbarrier.init(k_free.index(slot), count=CONSUMERS)  # one arrival per consumer
         mbarrier.init(v_free.index(slot), count=CONSUMERS)
 
-    score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, Sinks, stride_sh)
+    score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, Sinks, stride_sh, RngState, dropout_threshold,
+                  dropout_scale)
     shared = (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
               num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args)
     load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
@@ -595,25 +638,25 @@ def attention_forward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS)),
+                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
              (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS)),
+                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
              (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS)),
+                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
              (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS)),
+                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
              (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS)),
+                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
              (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS)),
+                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
              (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

@@ -13,7 +13,7 @@ from triton.experimental.gluon import language as gl
 from ...compat import COMPILE_OPTIONS, GluonASTSource, load_compiled, triton_version_problem
 from ...params import AttentionParams
 from ...runtime import KernelBuildError, multiprocessors, run_compiled
-from ..triton.launch import TileList, descriptor_strides, window_bounds
+from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout_threshold, window_bounds
 from ..triton.forward import LOG2_E
 from .forward import attention_forward_hopper_kernel, register_budget
 from .schedule import CONSUMER_ROWS, HopperSchedule
@@ -48,15 +48,18 @@ class _HostDescriptor:
 @dataclass(frozen=True)
 class ScoreFeatures:
     """The score features a Gluon kernel is built with (fmha.backends.gluon_sm90.scores); ``alibi``
-    is the ALIBI constexpr: 0 off, 1 any window, 2 (forward only) no key after a row's position."""
+    is the ALIBI constexpr: 0 off, 1 any window, 2 (forward only) no key after a row's position;
+    ``dropout``: some probability can be dropped (a p that rounds to 0 drops none: built without)."""
 
     softcap: bool = False
     alibi: int = 0
     sinks: bool = False
+    dropout: bool = False
 
     @classmethod
     def of(cls, options) -> "ScoreFeatures":
-        return cls(options.softcap > 0, int(options.has_alibi), options.has_sinks)
+        return cls(options.softcap > 0, int(options.has_alibi), options.has_sinks,
+                   dropout_threshold(options.dropout_p) > 0)
 
     @classmethod
     def forward_of(cls, params: AttentionParams) -> "ScoreFeatures":
@@ -77,6 +80,12 @@ class ScoreFeatures:
         if self.softcap:
             return options.scale / options.softcap, options.softcap * LOG2_E
         return options.scale * LOG2_E, 0.0
+
+    @staticmethod
+    def dropout_scalars(options) -> tuple[int, float]:
+        """``(dropout_threshold, dropout_scale)``: the draw that keeps a probability, and the output's
+        factor ``1 / (1 - p)`` (fmha.backends.triton.launch); unread without dropout."""
+        return dropout_threshold(options.dropout_p), dropout_scale(options.dropout_p)
 
 
 NO_FEATURES = ScoreFeatures()
@@ -105,7 +114,7 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
     ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one;
-    ``varlen``: packed sequences; ``features``: softcap, ALiBi and sinks switched on.
+    ``varlen``: packed sequences; ``features``: softcap, ALiBi, sinks and dropout switched on.
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
     """
@@ -118,13 +127,15 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "HAS_LEFT": has_left, "HAS_RIGHT": causal,
                  "CONSUMERS": schedule.consumers, "EMULATED_EXP2": schedule.emulated_exp2,
                  "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm, "VARLEN": varlen,
-                 "SOFTCAP": features.softcap, "ALIBI": features.alibi, "SINKS": features.sinks}
+                 "SOFTCAP": features.softcap, "ALIBI": features.alibi, "SINKS": features.sinks,
+                 "DROPOUT": features.dropout}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",
-                 "AlibiSlopes": "*fp32", "Sinks": "*fp32", **dict.fromkeys(_STRIDE_ARGS, "i32"),
+                 "AlibiSlopes": "*fp32", "Sinks": "*fp32", "RngState": "*i64", **dict.fromkeys(_STRIDE_ARGS, "i32"),
                  **dict.fromkeys(_INTEGER_ARGS, "i32"), "qk_scale": "fp32", "softcap_scale": "fp32",
-                 "num_tiles": "i32", **dict.fromkeys(constants, "constexpr")}
+                 "dropout_threshold": "i32", "dropout_scale": "fp32", "num_tiles": "i32",
+                 **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_forward_hopper_kernel.arg_names
     return GluonASTSource(attention_forward_hopper_kernel, signature, constants), tuple(constants.values())
 
@@ -206,7 +217,7 @@ class HopperForward:
         else:
             self.grid = min(num_tiles, schedule.ctas_per_sm * multiprocessors(params.device))
         self.integers = (params.q_heads, params.group, seqlen_q, seqlen_k, lo, hi, *features.scalars(params.options),
-                         num_tiles, *constants)
+                         *features.dropout_scalars(params.options), num_tiles, *constants)
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, scores=None):
         if self.varlen:
@@ -220,6 +231,8 @@ class HopperForward:
             strides = (0, 0, 0)
             sequences = (lse, lse, lse)
         alibi, sinks, score_strides = score_arguments(scores, lse)
+        rng_state = lse if scores is None or scores.rng_state is None else scores.rng_state
         run_compiled(self.compiled, self.grid, self.device,
-                     (*descriptors, lse, out, *sequences, alibi, sinks, *strides, *score_strides, *self.integers))
+                     (*descriptors, lse, out, *sequences, alibi, sinks, rng_state, *strides, *score_strides,
+                      *self.integers))
         return self.compiled

@@ -66,9 +66,17 @@ def kernel_dropout_p(dropout_p: float) -> float:
     return dropout_threshold(dropout_p) / 2 ** 16
 
 
+def dropout_scale(dropout_p: float) -> float:
+    """What the kernels scale kept probabilities by: ``1 / (1 - kernel_dropout_p(p))``, and 0 where
+    every probability is dropped (p rounds to 1) rather than 1/0."""
+    kept = 1.0 - kernel_dropout_p(dropout_p)
+    return 1.0 / kept if kept > 0 else 0.0
+
+
 def dropout_keep_mask(rng_state: torch.Tensor, rows: int, keys: int, dropout_p: float,
                       block_keys: int = 16) -> torch.Tensor:
-    """The (rows, keys) bool pattern the kernels keep for the philox key ``rng_state`` (a testing aid).
+    """The (rows, keys) bool pattern the kernels keep for the philox key ``rng_state`` (a testing aid):
+    the portable kernels' and the Gluon Hopper forward's, which draws the same bits.
 
     Rows are numbered as the kernels number them: (batch, head, row) flattened for dense calls, so
     the pattern is ``.view(B, Hq, Sq, Sk)``; (head, packed token) for packed sequences, with keys
@@ -104,9 +112,7 @@ class ScoreLaunch:
         self.constants = dict(SOFTCAP=softcap_tanh(params) if softcap > 0 else NO_SOFTCAP, ALIBI=options.has_alibi,
                               MASK=mask, SINKS=options.has_sinks, DROPOUT=p > 0)
         qk_scale = options.scale / softcap if softcap > 0 else options.scale * LOG2_E
-        # Dropping everything (p rounds to 1) scales by 0, not 1/0.
-        kept = 1.0 - kernel_dropout_p(p)
-        self.scalars = (qk_scale, softcap * LOG2_E, dropout_threshold(p), 1.0 / kept if kept > 0 else 0.0)
+        self.scalars = (qk_scale, softcap * LOG2_E, dropout_threshold(p), dropout_scale(p))
         # The forward may fold the scores' last factor into the exponent if it is positive: the scale,
         # or softcap · log2 e after a softcap's tanh. A bias must be added before the row max.
         self.fused_scale_ok = not (options.has_alibi or options.attn_mask_kind) and (softcap > 0 or options.scale > 0)
