@@ -36,7 +36,7 @@ Supported
   dropout_p, generator, return_lse)`` with q
   (total_q, Hq, D), k and v (total_k, Hkv, D) and int32 ``cu_seqlens``; causal and windows per
   sequence (bottom-right), Sq_i != Sk_i, GQA, sequences of length 0 and 1; LSE (Hq, total_q).
-  Forward (the Hopper kernel included) and backward index the packed tensors directly (no
+  Forward and backward (the Hopper kernels included) index the packed tensors directly (no
   padding copies); tiles run from a longest-first list made on the device, so one long sequence
   among many short ones does not run alone at the end. ``cu_seqlens`` values are checked on the
   CPU only (on a GPU that costs a synchronisation); the kernels clamp every sequence into the
@@ -80,7 +80,7 @@ Supported
   ``torch.export`` trace with); nothing is launched.
 * ``return_lse``: natural-log log-sum-exp, float32, shape (B, Hq, Sq); not differentiable.
 * Backward: ``attention`` and ``scaled_dot_product_attention`` are differentiable in q, k
-  and v (every case above). On Hopper (sm_90, fp16/bf16, D 64 or 128, dense) a warp-specialised
+  and v (every case above). On Hopper (sm_90, fp16/bf16, D 64 or 128, dense or packed) a warp-specialised
   Gluon kernel runs it and adds dQ with atomic adds, so dQ may differ in the last bits run to run;
   ``deterministic=True`` runs the portable backward, which uses none (bitwise reproducible).
 * ``torch.compile(fullgraph=True)``: the ops are ``torch.library`` custom ops (``fmha::forward``,
