@@ -16,6 +16,7 @@ from ...runtime import KernelBuildError, multiprocessors, run_compiled
 from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout_threshold, window_bounds
 from ..triton.forward import LOG2_E
 from .forward import attention_forward_hopper_kernel, register_budget
+from .scores import ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF
 from .schedule import CONSUMER_ROWS, HopperSchedule
 
 
@@ -58,7 +59,7 @@ class ScoreFeatures:
 
     @classmethod
     def of(cls, options) -> "ScoreFeatures":
-        return cls(options.softcap > 0, int(options.has_alibi), options.has_sinks,
+        return cls(options.softcap > 0, ALIBI_ANY.value if options.has_alibi else ALIBI_OFF.value, options.has_sinks,
                    dropout_threshold(options.dropout_p) > 0)
 
     @classmethod
@@ -71,7 +72,7 @@ class ScoreFeatures:
             # Packed sequences add their own Sk - Sq to hi in the kernel; dense bounds include it.
             alibi_offset = 0 if params.varlen else params.seqlen_k - params.seqlen_q
             if has_right and hi <= alibi_offset:
-                features = dataclasses.replace(features, alibi=2)
+                features = dataclasses.replace(features, alibi=ALIBI_CAUSAL.value)
         return features
 
     def scalars(self, options) -> tuple[float, float]:
