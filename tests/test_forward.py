@@ -172,6 +172,10 @@ def test_tma_needs_aligned_rows():
     assert not tma_compatible(torch.randn(1, 2, 8, 17, dtype=torch.float16))  # 34-byte rows
     assert not tma_compatible(aligned.transpose(2, 3))  # D not contiguous
     assert not tma_compatible(aligned.expand(1, 2, 8, 64).as_strided((1, 2, 8, 64), (0, 0, 64, 1)))
+    # packed (total, H, D), as the varlen kernels describe it: (1, H, total, D)
+    packed = torch.randn(10, 2, 64, dtype=torch.float16)
+    assert tma_compatible(packed) and tma_compatible(packed.unsqueeze(0).transpose(1, 2))
+    assert not tma_compatible(torch.randn(10, 2, 68, dtype=torch.float16)[..., :64])  # heads 136 bytes apart
 
 
 def test_a_repeated_call_signature_reuses_its_prepared_forward():

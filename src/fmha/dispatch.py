@@ -210,7 +210,7 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, 
         return dq.zero_(), dk.zero_(), dv.zero_()
     hopper = None
     if config is None and params.device.type == "cuda":
-        if not tma_compatible(dout if dout.ndim == 4 else dout.unsqueeze(0).transpose(1, 2)):
+        if not tma_compatible(dout):
             dout = dout.contiguous()  # e.g. the expanded gradient of a sum
         hopper, _ = hopper_backward(params, dout, q, k, v, dq, dk, dv)
     index = params.device.index if params.device.type == "cuda" else None

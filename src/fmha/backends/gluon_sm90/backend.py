@@ -71,9 +71,7 @@ class HopperBackend:
             reason = score_features_refusal(options)
             if reason is not None:
                 return reason
-        for name, tensor in zip("qkv", (q, k, v)):
-            if params.varlen:  # packed (total, H, D): described as (1, H, total, D)
-                tensor = tensor.unsqueeze(0).transpose(1, 2)
+        for name, tensor in zip("qkv", (q, k, v)):  # (B, H, S, D), or packed (total, H, D)
             if not _tma_strides_ok(tensor):
                 return f"{name}'s strides or base address cannot be described to TMA (16-byte multiples, unit last stride)"
         return gluon_unavailable()

@@ -127,7 +127,7 @@ def compiled_hopper_backward(device: torch.device, dtype: torch.dtype, head_dim:
 
 def backward_tensors_ok(*tensors: torch.Tensor) -> bool:
     """Whether every (B, H, S, D) tensor, or packed (total, H, D) one, can be described to TMA."""
-    return all(tma_compatible(tensor if tensor.ndim == 4 else as_batch_of_one(tensor)) for tensor in tensors)
+    return all(tma_compatible(tensor) for tensor in tensors)
 
 
 def as_batch_of_one(tensor: torch.Tensor) -> torch.Tensor:

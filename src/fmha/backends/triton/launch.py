@@ -136,20 +136,21 @@ class ScoreLaunch:
 
 
 def tma_compatible(tensor: torch.Tensor) -> bool:
-    """Whether a (B, H, S, D) tensor can be described to the bulk tensor copy engine.
+    """Whether a (B, H, S, D) tensor, or a packed (total, H, D) one (described as (1, H, total, D)),
+    can be described to the bulk tensor copy engine.
 
     The base and every stride but the last (which must be 1) have to be 16-byte multiples and
     non-zero; a dimension of size 1 is never stepped, so its stride does not matter.
     """
     strides = tensor.stride()
-    if strides[3] != 1 or tensor.data_ptr() % 16:
+    if strides[-1] != 1 or tensor.data_ptr() % 16:
         return False
-    return _strides_tma_compatible(tensor.shape, strides, tensor.element_size())
+    return _strides_tma_compatible(tensor.shape[:-1], strides[:-1], tensor.element_size())
 
 
 @functools.lru_cache(maxsize=1024)
 def _strides_tma_compatible(shape: torch.Size, strides: tuple[int, ...], item: int) -> bool:
-    return all(size == 1 or (stride > 0 and stride * item % 16 == 0) for size, stride in zip(shape[:3], strides[:3]))
+    return all(size == 1 or (stride > 0 and stride * item % 16 == 0) for size, stride in zip(shape, strides))
 
 
 @functools.lru_cache(maxsize=1024)
