@@ -79,7 +79,8 @@ def active_launch_hooks():
 # --- Gluon ----------------------------------------------------------------------------------------
 
 def _gluon():
-    """(GluonASTSource, tma_load, tma_store, cta_barrier), or the ImportError that says why Gluon is unusable."""
+    """(GluonASTSource, tma_load, tma_store, cta_barrier, tma_atomic_add, reinterpret_shared), or the
+    ImportError that says why Gluon is unusable."""
     try:
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon._runtime import GluonASTSource  # private: the compile source of a Gluon kernel
@@ -96,7 +97,7 @@ def _gluon():
     # The bulk tensor reduce-add (cp.reduce.async.bulk.tensor): public from 3.8; before, the
     # builder's op, which the public function wraps, without a Python name.
     atomic_add = getattr(tma, "async_atomic_add", None) or _tma_atomic_add_builtin()
-    return GluonASTSource, load, store, barrier, atomic_add
+    return GluonASTSource, load, store, barrier, atomic_add, _reinterpret_builtin()
 
 
 def _tma_atomic_add_builtin():
@@ -113,9 +114,22 @@ def _tma_atomic_add_builtin():
     return async_atomic_add
 
 
+def _reinterpret_builtin():
+    from triton.experimental.gluon.language._core import _unwrap_if_constexpr, builtin
+
+    @builtin
+    def reinterpret_shared(memory, dtype, shape, layout, _semantic=None):
+        """The same shared memory as another dtype, shape and layout (a method named
+        ``_reinterpret`` until 3.8, ``reinterpret`` from 3.9)."""
+        shape = [_unwrap_if_constexpr(size) for size in shape]
+        return _semantic.memdesc_reinterpret(memory, _unwrap_if_constexpr(dtype), shape, _unwrap_if_constexpr(layout))
+
+    return reinterpret_shared
+
+
 _GLUON = _gluon()
 GLUON_IMPORT_ERROR = _GLUON if isinstance(_GLUON, ImportError) else None
 if GLUON_IMPORT_ERROR is None:
-    GluonASTSource, tma_load, tma_store, cta_barrier, tma_atomic_add = _GLUON
+    GluonASTSource, tma_load, tma_store, cta_barrier, tma_atomic_add, reinterpret_shared = _GLUON
 else:
-    GluonASTSource = tma_load = tma_store = cta_barrier = tma_atomic_add = None
+    GluonASTSource = tma_load = tma_store = cta_barrier = tma_atomic_add = reinterpret_shared = None

@@ -51,9 +51,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ...compat import cta_barrier, tma_load, tma_store
+from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from .masking import key_blocks, sequence_span, visible
-from .scores import ALIBI_CAUSAL, draw_layout, dropout_key, dropped, tanh_approx
+from .scores import ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, alibi_form, draw_layout, dropout_key, dropped, tanh_approx
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -136,6 +136,51 @@ def _exp2(x, EMULATED_EXP2: gl.constexpr):
         result = gl.inline_asm_elementwise(_exp2_asm(EMULATED_EXP2), _exp2_constraints(EMULATED_EXP2), [x],
                                            dtype=gl.float32, is_pure=True, pack=EMULATED_EXP2)
     return result
+
+
+# Shared layout of the ALiBi key-term tiles: rows of 16 elements (32 bytes).
+BIAS_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+BIAS_COLUMNS: gl.constexpr = gl.constexpr(16)  # one k-step of a 16-bit wgmma
+
+
+@gluon.jit
+def _alibi_key_terms(staging, slope, qk_scale, BLOCK_N: gl.constexpr):
+    """``(ones, terms)``: shared-memory operands whose product [ROWS, BLOCK_N] is ``slope · j / qk_scale``
+    in every row, for key j of a block, so that one more k-step of the scores' wgmma adds ALiBi's
+    key term (:func:`_scores`). The term goes in three bf16 parts (about 24 bits, as an fp32
+    value) against three columns of ones. ``staging`` is the consumer's output buffer, idle until
+    the tile's end: the tiles are rewritten at every tile start (the previous output has left)."""
+    ROWS: gl.constexpr = staging.shape[2]
+    dtype: gl.constexpr = staging.dtype
+    layout: gl.constexpr = gl.BlockedLayout([1, BIAS_COLUMNS], [32, 1], [gl.num_warps(), 1], [1, 0])
+    # [2 · BLOCK_N, 16] (a power of two): the terms, then the ones (ROWS <= BLOCK_N)
+    tiles = reinterpret_shared(staging, dtype, [2 * BLOCK_N, BIAS_COLUMNS], BIAS_LAYOUT)
+    columns = gl.arange(0, BIAS_COLUMNS, layout=gl.SliceLayout(0, layout))[None, :]
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    value = (slope / qk_scale) * keys.to(gl.float32)
+    high = value.to(dtype).to(gl.float32)
+    middle = (value - high).to(dtype).to(gl.float32)
+    low = value - high - middle
+    terms = gl.where(columns == 0, high[:, None],
+                     gl.where(columns == 1, middle[:, None], gl.where(columns == 2, low[:, None], 0.0)))
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
+    ones = gl.where((columns < 3) & (rows >= 0), 1.0, 0.0)
+    tma.store_wait(0)  # the previous tile's output has left the buffer
+    tiles.slice(0, BLOCK_N).store(terms.to(dtype))
+    tiles.slice(BLOCK_N, ROWS).store(ones.to(dtype))
+    fence_async_shared()
+    cta_barrier()  # every thread's part is written before the wgmma reads it
+    return tiles.slice(BLOCK_N, ROWS), tiles.slice(0, BLOCK_N).permute((1, 0))
+
+
+@gluon.jit
+def _scores(q, k, initial, mods, ALIBI: gl.constexpr):
+    """Issues Q·Kᵀ (async), plus ALiBi's key term with ALIBI_CAUSAL_MMA."""
+    scores = warpgroup_mma(q, k, initial, use_acc=False, is_async=True)
+    if ALIBI == ALIBI_CAUSAL_MMA:
+        ones, terms = mods[4]
+        scores = warpgroup_mma(ones, terms, scores, is_async=True)
+    return scores
 
 
 @gluon.jit
@@ -291,26 +336,29 @@ def _softmax_block(
 ):
     """Probabilities of the key block starting at key_start (its keys are key_start + keys0), the
     accumulator's rescale factor, the new max and sum. ``mods``: the score features' values
-    ``(softcap_scale, slope, row_positions, key_term, dropout)`` (:func:`_tile_mods`).
+    ``(softcap_scale, slope, row_positions, dropout)`` (:func:`_tile_mods`), and with
+    ALIBI_CAUSAL_MMA the key-term operands (:func:`_alibi_key_terms`).
 
     Each score is ``scores * qk_scale + row_shift`` in log2 units: without ALiBi the row shift is 0
     and the scale joins the max's subtraction in one FMA per score. With ALIBI_CAUSAL every visible
     key sits at or before its row's position, so ``-slope · |pos(i) - j|`` splits into a term per
-    key of the block (``slope · keys0``, the tile's ``key_term``) and one per row
-    (``slope · (key_start - pos(i))``): one FMA per score instead of a subtraction, an absolute value
-    and an FMA, and the block-relative terms stay small (no cancellation against large positions)."""
+    key of the block (``slope · keys0``) and one per row (``slope · (key_start - pos(i))``); the
+    block-relative terms stay small (no cancellation against large positions). Without a softcap
+    the key term is already in ``scores`` (:func:`_alibi_key_terms`, added by the tensor cores) and
+    only the row shift is left; with one, it is one FMA per score after the tanh."""
     row_shift = 0.0
     if SOFTCAP or ALIBI:
-        softcap_scale, slope, row_positions, key_term, _ = mods
+        softcap_scale, slope, row_positions = mods[0], mods[1], mods[2]
         if SOFTCAP:
             scores = tanh_approx(scores * qk_scale)
             qk_scale = softcap_scale
-        if ALIBI == ALIBI_CAUSAL:
-            scores = scores * qk_scale + key_term[None, :]
+        if ALIBI == ALIBI_CAUSAL or ALIBI == ALIBI_CAUSAL_MMA:
             row_shift = slope * (key_start - row_positions)
-            qk_scale = 1.0
+            if ALIBI == ALIBI_CAUSAL:
+                scores = scores * qk_scale + _block_key_positions(keys0, key_start, slope)[None, :]
+                qk_scale = 1.0
         elif ALIBI:  # the distance both ways; block-relative positions
-            distance = (row_positions - key_start)[:, None] - key_term[None, :]
+            distance = (row_positions - key_start)[:, None] - _block_key_positions(keys0, key_start, 1.0)[None, :]
             scores = scores * qk_scale - slope * gl.abs(distance)
             qk_scale = 1.0
     if MASKED:
@@ -328,20 +376,26 @@ def _softmax_block(
 
 
 @gluon.jit
-def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, key_positions, dropout, ALIBI: gl.constexpr):
-    """``(softcap_scale, slope, row_positions, key_term, dropout)`` of a tile: its head's ALiBi slope
-    (log2 units), the rows' positions ``i + Sk - Sq`` as floats, per key of a block its position
-    (``keys0``), or with ALIBI_CAUSAL its bias ``slope · keys0`` (placeholders where off), and
-    ``dropout`` (:func:`_tile_dropout`) as given."""
+def _block_key_positions(keys0, key_start, factor):
+    """``factor · keys0`` as floats, built in each block from two values per thread: the wgmma
+    accumulator gives a thread columns ``8i + c`` with a fixed pair c, so ``8i`` folds into constants.
+    The factor passes through a term of the block (``x · 0.0`` is not folded), or the compiler would
+    hoist all 32 of a thread's values out of the loop and keep them live, which spills at D = 128."""
+    factor = factor + key_start.to(gl.float32) * 0.0
+    return (keys0 // 8 * 8).to(gl.float32) * factor + (keys0 % 8).to(gl.float32) * factor
+
+
+@gluon.jit
+def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, dropout, ALIBI: gl.constexpr):
+    """``(softcap_scale, slope, row_positions, dropout)`` of a tile: its head's ALiBi slope (log2
+    units; 0 where off), the rows' positions ``i + Sk - Sq`` as floats, and ``dropout``
+    (:func:`_tile_dropout`) as given."""
     AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args[0], score_args[1], score_args[2], score_args[3]
     slope = 0.0
-    key_term = key_positions
     if ALIBI:
         slope = gl.load(AlibiSlopes + sequence.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
-        if ALIBI == ALIBI_CAUSAL:
-            key_term = slope * key_positions
     row_positions = (rows + (seqlen_k - seqlen_q)).to(gl.float32)
-    return softcap_scale, slope, row_positions, key_term, dropout
+    return softcap_scale, slope, row_positions, dropout
 
 
 @gluon.jit
@@ -395,7 +449,7 @@ def _pipelined_blocks(
         prev_slot = (position - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (position // STAGES) & 1)
         k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
-        scores = warpgroup_mma(q, k, no_scores, use_acc=False, is_async=True)
+        scores = _scores(q, k, no_scores, mods, ALIBI)
         mbarrier.wait(v_ready.index(prev_slot), ((position - 1) // STAGES) & 1)
         v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
         p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
@@ -407,7 +461,7 @@ def _pipelined_blocks(
             scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods,
             MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
         if DROPOUT:  # the row sum counts every probability, P·V only the kept ones
-            probs = dropped(probs, block * BLOCK_N, mods[4])
+            probs = dropped(probs, block * BLOCK_N, mods[3])
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_free.index(prev_slot), count=1)
         acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
@@ -466,7 +520,6 @@ def _consumer_partition(
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
-    key_positions = keys0.to(gl.float32)
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     if DROPOUT:  # the call's Philox key; every row's keys (Sk, or the packed total) take four counters per 32
         rng_key = dropout_key(score_args[6])
@@ -486,7 +539,9 @@ def _consumer_partition(
             if DROPOUT:  # counter rows as the portable kernels number them: (batch, head, row), or (head, packed row)
                 rng_row = (batch * num_q_heads + head).to(gl.int64) * seqlen_q + q_start
                 dropout = _tile_dropout(rows, rng_row, rng_groups, rng_key, score_args[7], BLOCK_N)
-            mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, key_positions, dropout, ALIBI)
+            mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, dropout, ALIBI)
+            if ALIBI == ALIBI_CAUSAL_MMA:
+                mods = mods + (_alibi_key_terms(o_smem.index(CONSUMER), mods[1], qk_scale, BLOCK_N),)
             row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
             row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -498,15 +553,14 @@ def _consumer_partition(
                 slot = ring_position % STAGES
                 mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
                 k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
-                scores = warpgroup_mma(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout),
-                                       use_acc=False, is_async=True)
+                scores = _scores(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), mods, ALIBI)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
                 mbarrier.arrive(k_free.index(slot), count=1)
                 probs, row_max, row_sum = _softmax_first_block(
                     scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods,
                     (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
                 if DROPOUT:
-                    probs = dropped(probs, start * BLOCK_N, mods[4])
+                    probs = dropped(probs, start * BLOCK_N, mods[3])
                 # Blocks wholly visible to every row run without masks; the window's edges and the end
                 # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
                 unmasked_start = gl.maximum(full_start, start + 1)
@@ -604,6 +658,7 @@ def attention_forward_hopper_kernel(
     is scaled by ``dropout_scale``; the statistics and the LSE are those before dropout)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
+    ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype)
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -638,25 +693,25 @@ def attention_forward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
              (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
              (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
              (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
              (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
              (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI, SINKS, DROPOUT)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
              (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

@@ -9,7 +9,10 @@ attn_mask is not built here (the backend refuses it).
 The softcap's tanh is one ``tanh.approx.f32`` (MUFU, maximum relative error about 2^-11, as in
 FlashAttention-3) instead of an exp2 and a division: the softmax's exp2 already keeps that unit
 busy. Positions enter as float vectors, so ALiBi costs a subtraction and an FMA per score (no
-integer-to-float conversion per score, which would run on the same slow unit).
+integer-to-float conversion per score, which would run on the same slow unit). Where no key
+follows its row (causal), the bias is a term per key plus one per row; the forward then has the
+tensor cores add the key term (one more k-step of Q·Kᵀ, ALIBI_CAUSAL_MMA), and only the row's
+shift is left for the softmax.
 
 Dropout draws the portable kernels' bits (:func:`fmha.backends.triton.scores.dropout_keep`): Philox-4x32-10
 keyed by the call's seed, key j of a row taking half j % 2 of word (j // 8) % 4 of counter
@@ -27,6 +30,19 @@ from triton.experimental.gluon import language as gl
 ALIBI_OFF: gl.constexpr = gl.constexpr(0)
 ALIBI_ANY: gl.constexpr = gl.constexpr(1)
 ALIBI_CAUSAL: gl.constexpr = gl.constexpr(2)
+# The forward's form of ALIBI_CAUSAL where the tensor cores add the key term to the scores (one more
+# k-step of Q·Kᵀ against a tile of the terms), leaving only a shift per row.
+ALIBI_CAUSAL_MMA: gl.constexpr = gl.constexpr(3)
+
+
+@gluon.constexpr_function
+def alibi_form(alibi, softcap, dtype):
+    """The ALIBI a forward consumer runs: ALIBI_CAUSAL_MMA in place of ALIBI_CAUSAL where the key
+    term can join the scores before anything else touches them (no softcap: ALiBi follows its
+    tanh) and in bf16, whose range holds ``slope · j / scale`` for any slope and scale."""
+    if alibi == 2 and not softcap and dtype == gl.bfloat16:
+        return 3
+    return alibi
 
 
 @gluon.jit

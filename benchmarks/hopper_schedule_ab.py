@@ -1,0 +1,121 @@
+"""Schedule variants of the Gluon Hopper forward on the score-feature cases, interleaved (GPU, sm_90).
+
+For each case the default path's schedule (``fmha.tuning.lookup.hopper_schedule``) runs beside
+copies of it with fields replaced (``--variant lazy_rescale=1``, ``--variant emulated_exp2=2,lazy_rescale=1``).
+Every variant's output is checked against the default's first (bitwise equality is not expected: a
+variant may round differently), then all are timed round-robin, ``--rounds`` times; the kernel's
+own time comes from the profiler, which moves less between runs than the wall clock.
+
+    PYTHONPATH=src python benchmarks/hopper_schedule_ab.py out.json --variant lazy_rescale=1
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+
+import torch
+import triton
+
+import fmha
+from fmha.params import attention_params
+from fmha.tuning import lookup
+
+# (name, B, H, S, D, causal, keyword arguments): bf16.
+CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
+         ("softcap 30", 4, 16, 4096, 128, True, {"softcap": 30.0}),
+         ("ALiBi", 4, 16, 4096, 128, True, {"alibi": True}),
+         ("ALiBi D64", 4, 32, 4096, 64, True, {"alibi": True}),
+         ("ALiBi non-causal", 4, 16, 4096, 128, False, {"alibi": True}),
+         ("dropout 0.1", 4, 16, 4096, 128, True, {"dropout_p": 0.1}),
+         ("plain D128", 4, 16, 4096, 128, False, {}),
+         ("plain D64 causal", 4, 32, 4096, 64, True, {}),
+         ("plain D64", 4, 32, 4096, 64, False, {}),
+         ("softcap 30 D64", 4, 32, 4096, 64, True, {"softcap": 30.0})]
+
+
+def feature_arguments(heads, kwargs):
+    out = dict(kwargs)
+    if out.pop("alibi", False):
+        out["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)
+    return out
+
+
+def kernel_us(fn, repeats=20) -> float:
+    """Mean device microseconds per call of the attention kernel (the longest one), by the profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in profile.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time
+    return max(times.values()) / repeats
+
+
+def parse_variant(text: str) -> dict:
+    fields = {}
+    for item in text.split(","):
+        name, value = item.split("=")
+        fields[name] = int(value)
+    return fields
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--variant", action="append", default=[], type=parse_variant)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    args = parser.parse_args()
+    chosen = [case for case in CASES if not args.cases or case[0] in args.cases.split(",")]
+    rows = []
+    for name, batch, heads, seqlen, head_dim, causal, kwargs in chosen:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        features = feature_arguments(heads, kwargs)
+        params = attention_params("attention", q, k, v, causal=causal)
+        default, _ = lookup.hopper_schedule(params)
+        default = default or fmha.HopperSchedule()
+        schedules = {"default": default}
+        for fields in args.variant:
+            value = {key: (bool(v) if isinstance(getattr(default, key), bool) else v) for key, v in fields.items()}
+            schedules[",".join(f"{key}={v}" for key, v in fields.items())] = dataclasses.replace(default, **value)
+        pairs = seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
+        flops = 4 * head_dim * batch * heads * pairs
+        calls = {}
+        reference = None
+        for label, schedule in schedules.items():
+            def call(schedule=schedule):
+                generator = torch.Generator(device="cuda").manual_seed(1) if "dropout_p" in features else None
+                extra = {"generator": generator} if generator is not None else {}
+                return fmha.attention(q, k, v, causal=causal, config=schedule, **features, **extra)
+
+            out = call()
+            if reference is None:
+                reference = out.float()
+            error = (out.float() - reference).abs().max().item()
+            calls[label] = call
+            print(json.dumps({"case": name, "schedule": label, "text": schedule.text(), "max_diff_vs_default": error}),
+                  flush=True)
+        times = {label: [] for label in calls}
+        for _ in range(args.rounds):
+            for label, call in calls.items():
+                times[label].append(kernel_us(call))
+        for label, samples in times.items():
+            us = statistics.median(samples)
+            row = {"case": name, "schedule": label, "kernel_us": us, "tflops": flops / us / 1e6,
+                   "samples_us": samples, "vs_default": statistics.median(times["default"]) / us}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "rows": rows}
+    with open(args.out, "w") as handle:
+        json.dump(result, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
