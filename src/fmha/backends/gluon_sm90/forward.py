@@ -8,8 +8,9 @@ which Triton's automatic pipeliner does not reach on this chip:
   many CTAs as fit on the multiprocessors, or one per tile) and runs CONSUMERS + 1 warp
   partitions: one to three consumer warpgroups of 64 rows each and one load warp;
 * the load warp streams K and V blocks through a ring of STAGES shared-memory slots with
-  bulk tensor copies (TMA); each slot has a "ready" barrier (the copy landed) and a "free"
-  barrier (both consumers are done with it);
+  bulk tensor copies (TMA); each slot has a "ready" mbarrier (the copy landed) and a named
+  hardware barrier that the consumers' warps signal when they are done with it
+  (:mod:`fmha.backends.gluon_sm90.slot_barriers`: no warpgroup barrier in the consumers' loop);
 * each consumer keeps its Q rows in shared memory and its accumulator in registers and
   overlaps its own work: the Q·Kᵀ of block j and the P·V of block j-1 are in flight on the
   tensor cores while it waits, and the softmax of block j runs while P·V of block j-1 finishes;
@@ -52,12 +53,30 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
+from . import slot_barriers
 from .masking import key_blocks, sequence_span, visible
 from .scores import ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, alibi_form, draw_layout, dropout_key, dropped, tanh_approx
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
 CONSUMER_WARPS = gl.constexpr(4)
+
+
+@gluon.jit
+def _slot_threads(CONSUMERS: gl.constexpr):
+    """The threads that meet at a slot's barrier: every consumer warp and the load warp."""
+    return 32 * (CONSUMER_WARPS * CONSUMERS + 1)
+
+
+@gluon.jit
+def _release_k(slot, CONSUMERS: gl.constexpr):
+    """This consumer is done with K slot ``slot`` (:mod:`fmha.backends.gluon_sm90.slot_barriers`)."""
+    slot_barriers.signal(slot_barriers.FIRST_SLOT_BARRIER + slot, _slot_threads(CONSUMERS))
+
+
+@gluon.jit
+def _release_v(slot, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    slot_barriers.signal(slot_barriers.FIRST_SLOT_BARRIER + STAGES + slot, _slot_threads(CONSUMERS))
 
 
 @gluon.constexpr_function
@@ -285,10 +304,10 @@ def _load_partition(
     CONSUMERS: gl.constexpr, VARLEN: gl.constexpr,
 ):
     if VARLEN:
-        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, sequences) = args
     else:
-        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+        (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi) = args
         seqlen_q = 0  # not read: dense tiles come from num_m_blocks
         sequences = None
@@ -313,17 +332,24 @@ def _load_partition(
             for block in range(start, end):
                 position = ring_position + block - start
                 slot = position % STAGES
-                free_phase = ((position // STAGES) & 1) ^ 1
-                mbarrier.wait(k_free.index(slot), free_phase)
+                # The consumers released this slot's previous block (the first STAGES find it free).
+                if position >= STAGES:
+                    slot_barriers.wait(slot_barriers.FIRST_SLOT_BARRIER + slot, _slot_threads(CONSUMERS))
                 mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
                 tma_load(k_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
                          k_ready.index(slot), k_smem.index(slot))
-                mbarrier.wait(v_free.index(slot), free_phase)
+                if position >= STAGES:
+                    slot_barriers.wait(slot_barriers.FIRST_SLOT_BARRIER + STAGES + slot, _slot_threads(CONSUMERS))
                 mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
                 tma_load(v_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
                          v_ready.index(slot), v_smem.index(slot))
             ring_position += end - start
             tile_count += 1
+    # Take the consumers' last releases: no named barrier is left half-arrived when the CTA exits.
+    for position in range(gl.maximum(ring_position - STAGES, 0), ring_position):
+        slot = position % STAGES
+        slot_barriers.wait(slot_barriers.FIRST_SLOT_BARRIER + slot, _slot_threads(CONSUMERS))
+        slot_barriers.wait(slot_barriers.FIRST_SLOT_BARRIER + STAGES + slot, _slot_threads(CONSUMERS))
 
 
 @gluon.jit
@@ -431,9 +457,9 @@ def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_sc
 
 @gluon.jit
 def _pipelined_blocks(
-    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
     rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods,
-    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
 ):
@@ -456,14 +482,14 @@ def _pipelined_blocks(
         acc = warpgroup_mma(p, v, acc, is_async=True)
         # wgmma groups retire in order: this waits for the scores, not for P·V.
         scores = warpgroup_mma_wait(1, deps=(scores,))
-        mbarrier.arrive(k_free.index(slot), count=1)
+        _release_k(slot, CONSUMERS)
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods,
             MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
         if DROPOUT:  # the row sum counts every probability, P·V only the kept ones
             probs = dropped(probs, block * BLOCK_N, mods[3])
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_free.index(prev_slot), count=1)
+        _release_v(prev_slot, STAGES, CONSUMERS)
         acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
     return acc, probs, row_max, row_sum
 
@@ -504,12 +530,12 @@ def _consumer_partition(
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     if VARLEN:  # also the sequences, and the output's pointer and strides
-        (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+        (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args,
          packed) = shared
         sequences, Out, stride_lh, stride_om, stride_oh = packed
     else:
-        (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+        (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args) = shared
         sequences = None
     dtype: gl.constexpr = o_desc.dtype
@@ -555,7 +581,7 @@ def _consumer_partition(
                 k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
                 scores = _scores(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), mods, ALIBI)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
-                mbarrier.arrive(k_free.index(slot), count=1)
+                _release_k(slot, CONSUMERS)
                 probs, row_max, row_sum = _softmax_first_block(
                     scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods,
                     (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
@@ -567,19 +593,19 @@ def _consumer_partition(
                 unmasked_end = gl.maximum(full_end, unmasked_start)
                 if HAS_LEFT:
                     acc, probs, row_max, row_sum = _pipelined_blocks(
-                        acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                        acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                         rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
-                        mods, HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
+                        mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
                         DROPOUT)
                 acc, probs, row_max, row_sum = _pipelined_blocks(
-                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                     rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
-                    mods, HEAD_DIM, BLOCK_N, STAGES, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
+                    mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
                     DROPOUT)
                 acc, probs, row_max, row_sum = _pipelined_blocks(
-                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                     rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
-                    mods, HEAD_DIM, BLOCK_N, STAGES, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
+                    mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
                     DROPOUT)
                 last = ring_position + end - start - 1
                 last_slot = last % STAGES
@@ -588,7 +614,7 @@ def _consumer_partition(
                 p = gl.convert_layout(probs.to(dtype), p_layout)
                 acc = warpgroup_mma(p, v, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_free.index(last_slot), count=1)
+                _release_v(last_slot, STAGES, CONSUMERS)
             mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
 
             # Rows that saw no key: output 0 and LSE -inf, never 0/0.
@@ -667,22 +693,18 @@ def attention_forward_hopper_kernel(
     q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for q_slot in gl.static_range(CONSUMERS * Q_BUFFERS):
         mbarrier.init(q_ready.index(q_slot), count=1)
         mbarrier.init(q_free.index(q_slot), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
-        mbarrier.init(k_free.index(slot), count=CONSUMERS)  # one arrival per consumer
-        mbarrier.init(v_free.index(slot), count=CONSUMERS)
 
     score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, Sinks, stride_sh, RngState, dropout_threshold,
                   dropout_scale)
-    shared = (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free, o_desc, Lse,
+    shared = (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
               num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args)
-    load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, k_free, v_free,
+    load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready,
                  num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi)
     if VARLEN:  # the partitions also get the sequences (and the consumers the output's pointer and strides);
         # dense builds capture nothing more
