@@ -41,8 +41,8 @@ def feature_arguments(heads, kwargs):
     return out
 
 
-def kernel_us(fn, repeats=20) -> float:
-    """Mean device microseconds per call of the attention kernel (the longest one), by the profiler."""
+def kernel_times(fn, repeats=20) -> dict:
+    """Device microseconds per call of each kernel that ``fn`` launches, by the profiler."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
@@ -52,8 +52,21 @@ def kernel_us(fn, repeats=20) -> float:
     times = {}
     for event in profile.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] = times.get(event.name, 0.0) + event.device_time
-    return max(times.values()) / repeats
+            times[event.name] = times.get(event.name, 0.0) + event.device_time / repeats
+    return times
+
+
+def kernel_us(fn, repeats=20) -> float:
+    """Mean device microseconds per call of the attention kernel (the longest one)."""
+    return max(kernel_times(fn, repeats).values())
+
+
+def write_result(path, rows):
+    """The rows with the device and the versions, as JSON."""
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "rows": rows}
+    with open(path, "w") as handle:
+        json.dump(result, handle, indent=1)
 
 
 def parse_variant(text: str) -> dict:
@@ -111,10 +124,7 @@ def main():
                    "samples_us": samples, "vs_default": statistics.median(times["default"]) / us}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "rows": rows}
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_result(args.out, rows)
 
 
 if __name__ == "__main__":

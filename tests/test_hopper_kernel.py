@@ -68,7 +68,11 @@ for variant in json.loads(sys.argv[1]):
         "sts": len(re.findall(r"\bSTS\b", sass)), "lds": len(re.findall(r"\bLDS\b", sass)),
         "wide_multiplies": sass.count("IMAD.WIDE.U32"),
         "num_warps": compiled.metadata.num_warps, "shared": compiled.metadata.shared,
-        "maxnreg": int(compiled.asm["ptx"].split(".maxnreg")[1].split()[0])}
+        "maxnreg": int(compiled.asm["ptx"].split(".maxnreg")[1].split()[0]),
+        # named barriers: the ids the compiler uses (immediates) and the slots' releases (by register)
+        "compiler_barriers": sorted({int(n) for n in re.findall(
+            r"\b(?:bar|barrier)(?:\.cta)?\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", compiled.asm["ptx"])}),
+        "slot_releases": len(re.findall(r"\bbar\.arrive\s+%r", compiled.asm["ptx"]))}
 print(json.dumps(report))
 """
 
@@ -113,6 +117,17 @@ def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
     # of it reserved per CTA) and 64k registers (the launch count, before setmaxnreg moves them).
     assert ctas_per_sm * (build["shared"] + 1024) <= 228 * 1024
     assert ctas_per_sm * build["maxnreg"] * 128 * (consumers + 1) <= 65536
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_slots_are_released_through_named_barriers_the_compiler_leaves_free(hopper_builds, variant):
+    """The consumers release K/V slots with bar.arrive on barriers from FIRST_SLOT_BARRIER on
+    (:mod:`fmha.backends.gluon_sm90.slot_barriers`); the compiler's own partition barriers stay below."""
+    from fmha.backends.gluon_sm90.slot_barriers import FIRST_SLOT_BARRIER
+
+    build = hopper_builds[",".join(map(str, variant))]
+    assert build["slot_releases"] > 0
+    assert build["compiler_barriers"] and max(build["compiler_barriers"]) < FIRST_SLOT_BARRIER.value
 
 
 def test_emulated_exponentials_leave_the_mufu_unit(hopper_builds):

@@ -62,7 +62,7 @@ LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
 CONSUMER_WARPS = gl.constexpr(4)
 
 
-@gluon.jit
+@gluon.constexpr_function
 def _slot_threads(CONSUMERS: gl.constexpr):
     """The threads that meet at a slot's barrier: every consumer warp and the load warp."""
     return 32 * (CONSUMER_WARPS * CONSUMERS + 1)

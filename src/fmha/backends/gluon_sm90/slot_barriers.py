@@ -20,7 +20,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 FIRST_SLOT_BARRIER = gl.constexpr(8)
-LAST_SLOT_BARRIER = gl.constexpr(15)
+
+
+@gluon.constexpr_function
+def _barrier_asm(instruction, threads):
+    return f"{instruction} $1, {threads};\n\tmov.u32 $0, 0;"
 
 
 @gluon.jit
@@ -33,14 +37,14 @@ def _per_thread(value):
 
 
 @gluon.jit
-def signal(barrier, threads):
-    """Arrive at named barrier ``barrier`` (``threads`` in all, the load warp included) without waiting."""
-    gl.inline_asm_elementwise("bar.arrive $1, $2;\n\tmov.u32 $0, 0;", "=r,r,r",
-                              [_per_thread(barrier), _per_thread(threads)], dtype=gl.int32, is_pure=False, pack=1)
+def signal(barrier, THREADS: gl.constexpr):
+    """Arrive at named barrier ``barrier`` (THREADS threads in all, the waiting ones included) without waiting."""
+    gl.inline_asm_elementwise(_barrier_asm("bar.arrive", THREADS), "=r,r", [_per_thread(barrier)], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit
-def wait(barrier, threads):
-    """Wait at named barrier ``barrier`` until ``threads`` threads (this partition's included) are there."""
-    gl.inline_asm_elementwise("bar.sync $1, $2;\n\tmov.u32 $0, 0;", "=r,r,r",
-                              [_per_thread(barrier), _per_thread(threads)], dtype=gl.int32, is_pure=False, pack=1)
+def wait(barrier, THREADS: gl.constexpr):
+    """Wait at named barrier ``barrier`` until THREADS threads (this partition's included) are there."""
+    gl.inline_asm_elementwise(_barrier_asm("bar.sync", THREADS), "=r,r", [_per_thread(barrier)], dtype=gl.int32,
+                              is_pure=False, pack=1)
