@@ -69,14 +69,15 @@ def _slot_threads(CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _release_k(slot, CONSUMERS: gl.constexpr):
-    """This consumer is done with K slot ``slot`` (:mod:`fmha.backends.gluon_sm90.slot_barriers`)."""
-    slot_barriers.signal(slot_barriers.FIRST_SLOT_BARRIER + slot, _slot_threads(CONSUMERS))
+def _k_slot_barrier(slot):
+    """The named barrier of K slot ``slot`` (:mod:`fmha.backends.gluon_sm90.slot_barriers`): the
+    consumers' warps signal it when done with the slot, the load warp waits at it before refilling."""
+    return slot_barriers.FIRST_SLOT_BARRIER + slot
 
 
 @gluon.jit
-def _release_v(slot, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    slot_barriers.signal(slot_barriers.FIRST_SLOT_BARRIER + STAGES + slot, _slot_threads(CONSUMERS))
+def _v_slot_barrier(slot, STAGES: gl.constexpr):
+    return slot_barriers.FIRST_SLOT_BARRIER + STAGES + slot
 
 
 @gluon.constexpr_function
@@ -334,12 +335,12 @@ def _load_partition(
                 slot = position % STAGES
                 # The consumers released this slot's previous block (the first STAGES find it free).
                 if position >= STAGES:
-                    slot_barriers.wait(slot_barriers.FIRST_SLOT_BARRIER + slot, _slot_threads(CONSUMERS))
+                    slot_barriers.wait(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
                 mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
                 tma_load(k_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
                          k_ready.index(slot), k_smem.index(slot))
                 if position >= STAGES:
-                    slot_barriers.wait(slot_barriers.FIRST_SLOT_BARRIER + STAGES + slot, _slot_threads(CONSUMERS))
+                    slot_barriers.wait(_v_slot_barrier(slot, STAGES), _slot_threads(CONSUMERS))
                 mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
                 tma_load(v_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
                          v_ready.index(slot), v_smem.index(slot))
@@ -348,8 +349,8 @@ def _load_partition(
     # Take the consumers' last releases: no named barrier is left half-arrived when the CTA exits.
     for position in range(gl.maximum(ring_position - STAGES, 0), ring_position):
         slot = position % STAGES
-        slot_barriers.wait(slot_barriers.FIRST_SLOT_BARRIER + slot, _slot_threads(CONSUMERS))
-        slot_barriers.wait(slot_barriers.FIRST_SLOT_BARRIER + STAGES + slot, _slot_threads(CONSUMERS))
+        slot_barriers.wait(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
+        slot_barriers.wait(_v_slot_barrier(slot, STAGES), _slot_threads(CONSUMERS))
 
 
 @gluon.jit
@@ -482,14 +483,14 @@ def _pipelined_blocks(
         acc = warpgroup_mma(p, v, acc, is_async=True)
         # wgmma groups retire in order: this waits for the scores, not for P·V.
         scores = warpgroup_mma_wait(1, deps=(scores,))
-        _release_k(slot, CONSUMERS)
+        slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods,
             MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
         if DROPOUT:  # the row sum counts every probability, P·V only the kept ones
             probs = dropped(probs, block * BLOCK_N, mods[3])
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        _release_v(prev_slot, STAGES, CONSUMERS)
+        slot_barriers.signal(_v_slot_barrier(prev_slot, STAGES), _slot_threads(CONSUMERS))
         acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
     return acc, probs, row_max, row_sum
 
@@ -581,7 +582,7 @@ def _consumer_partition(
                 k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
                 scores = _scores(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), mods, ALIBI)
                 scores = warpgroup_mma_wait(0, deps=(scores,))
-                _release_k(slot, CONSUMERS)
+                slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
                 probs, row_max, row_sum = _softmax_first_block(
                     scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods,
                     (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
@@ -614,7 +615,7 @@ def _consumer_partition(
                 p = gl.convert_layout(probs.to(dtype), p_layout)
                 acc = warpgroup_mma(p, v, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                _release_v(last_slot, STAGES, CONSUMERS)
+                slot_barriers.signal(_v_slot_barrier(last_slot, STAGES), _slot_threads(CONSUMERS))
             mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
 
             # Rows that saw no key: output 0 and LSE -inf, never 0/0.
