@@ -91,6 +91,25 @@ def test_gradients_are_bitwise_reproducible(deterministic):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 
 
+def test_eager_gradients_skip_the_custom_ops_and_equal_theirs():
+    # Eager calls run the launchers under a plain autograd.Function (no per-call op dispatch); the
+    # custom ops, which torch.compile traces, must give the same gradients bit for bit.
+    from fmha import ops
+    from fmha.params import attention_params
+
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, 1, 19, 27, 16, torch.float32))
+    sinks = torch.randn(2, requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25])
+    out = fmha.attention(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes, softcap=3.0)
+    assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+    eager, dout = grads_of(out, (q, k, v, sinks))
+    params = attention_params("t", q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes, softcap=3.0)
+    op_out, _ = ops.forward_op(q, k, v, slopes, sinks, None, None, *params.options.op_args())
+    assert torch.equal(op_out, out)
+    for got, expected in zip(torch.autograd.grad(op_out, (q, k, v, sinks), dout), eager):
+        assert torch.equal(got, expected)
+
+
 def test_torch_compile_fullgraph_forward_and_backward():
     def block(q, k, v):
         return (fmha.attention(q, k, v, causal=True) * 2).sum()

@@ -112,7 +112,7 @@ import dataclasses
 import torch
 
 from . import dispatch, ops
-from .params import ScoreTensors, attention_params, check_flag, sdpa_attn_mask, varlen_params
+from .params import attention_params, check_flag, sdpa_attn_mask, varlen_params
 
 
 def _described(value):
@@ -132,15 +132,7 @@ def _run(params, prepared, q, k, v, alibi_slopes, sinks, generator, *seqlens):
     backward read the same one.
     """
     rng_state = ops.dropout_seed(generator, q.device) if params.options.dropout_p > 0.0 else None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or sinks is not None and sinks.requires_grad):
-        if seqlens:
-            return ops.varlen_forward_op(q, k, v, *seqlens, params.seqlen_q, params.seqlen_k, alibi_slopes, sinks,
-                                         None, rng_state, *params.options.op_args())
-        return ops.forward_op(q, k, v, alibi_slopes, sinks, None, rng_state, *params.options.op_args())
-    if alibi_slopes is None and sinks is None and rng_state is None:
-        return prepared(q, k, v, *seqlens)
-    return prepared(q, k, v, *seqlens, scores=ScoreTensors(alibi_slopes, sinks, None, rng_state))
+    return ops.launch(params, prepared, q, k, v, ops.score_tensors(alibi_slopes, sinks, None, rng_state), seqlens)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -204,7 +196,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
             dispatch.remember(dispatch.signatures, key, found)
     if alibi_slopes is None and sinks is None and not dropout_p:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = ops.forward_op(q, k, v, None, None, None, None, *found[0].options.op_args())
+            out, lse = ops.launch(*found, q, k, v)
         else:
             out, lse = found[1](q, k, v)
     else:

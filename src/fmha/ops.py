@@ -5,7 +5,9 @@ its autograd formula calls ``fmha::backward``, which recomputes P from the saved
 the sinks' gradient beside dq, dk and dv. The options part of both schemas is generated from
 :class:`fmha.params.AttentionOptions`, so the schemas are written once; the score features'
 tensors (:class:`fmha.params.ScoreTensors`) are optional tensor arguments. Both ops have fake
-implementations, so ``torch.compile(fullgraph=True)`` traces through them. The LSE is not
+implementations, so ``torch.compile(fullgraph=True)`` traces through them. Eager calls that need
+gradients take :class:`_EagerAttention` instead, the same formula without the ops' per-call
+dispatch (:func:`launch`). The LSE is not
 differentiable, nor are the ALiBi slopes and the attn_mask (as in FlashAttention). The Hopper
 backward adds dQ with atomic adds; ``deterministic=True`` takes the portable one, which has none
 (bitwise-reproducible gradients).
@@ -122,20 +124,52 @@ def _backward(ctx, grad_out, grad_lse):
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def needs_op(q, k, v, sinks=None) -> bool:
-    """The custom op (differentiable, traceable) when grads or compilation need it; else launch directly."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or sinks is not None and sinks.requires_grad):
-        return True
-    return torch.compiler.is_compiling()
+class _EagerAttention(torch.autograd.Function):
+    """Autograd of an eager call: the prepared forward and the backward launched directly.
+
+    The custom ops above carry the same formula for torch.compile, which traces their fakes. Eager
+    calls skip them: torch.library's autograd wrapper rebuilds the op's schema arguments once per
+    argument on every call (quadratic in their number) and dispatches twice, host time that a short
+    forward+backward waits for (docs/perf.md, "Host time of a forward+backward")."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, params, prepared, scores, seqlens):
+        out, lse = _launch_forward(prepared, q, k, v, scores, *seqlens)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.params, ctx.scores, ctx.seqlens = params, scores, seqlens
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        scores = ctx.scores
+        dq, dk, dv, dsinks = _run_backward(grad_out, q, k, v, out, lse, ctx.params, scores.alibi_slopes, sinks,
+                                           scores.attn_mask, scores.rng_state, ctx.seqlens)
+        return dq, dk, dv, None if sinks is None else dsinks, None, None, None, None
+
+
+def needs_grad(q, k, v, sinks=None) -> bool:
+    """Whether a call records autograd: grad mode on and an input that requires grad."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or sinks is not None and sinks.requires_grad)
+
+
+def launch(params: AttentionParams, prepared, q, k, v, scores: ScoreTensors = NO_SCORE_TENSORS, seqlens=()):
+    """``(out, lse)`` of a validated eager call and its prepared forward (``seqlens``: the packed
+    sequences' cu_seqlens), differentiable when an input requires grad."""
+    if needs_grad(q, k, v, scores.sinks):
+        return _EagerAttention.apply(q, k, v, scores.sinks, params, prepared, scores, seqlens)
+    return _launch_forward(prepared, q, k, v, scores, *seqlens)
 
 
 def forward(q, k, v, params: AttentionParams, scores: ScoreTensors = NO_SCORE_TENSORS):
-    """``(out, lse)`` of a validated call, through the custom op when gradients or tracing need it."""
-    if needs_op(q, k, v, scores.sinks):
+    """``(out, lse)`` of a validated call: the custom op when traced, else :func:`launch`."""
+    if torch.compiler.is_compiling():
         return forward_op(q, k, v, scores.alibi_slopes, scores.sinks, scores.attn_mask, scores.rng_state,
                           *params.options.op_args())
-    return _launch_forward(dispatch.prepared_forward(params, q, k, v), q, k, v, scores)
+    return launch(params, dispatch.prepared_forward(params, q, k, v), q, k, v, scores)
 
 
 # Packed sequences (varlen): q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 cu_seqlens;

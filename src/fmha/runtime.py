@@ -81,6 +81,34 @@ def run_compiled(compiled, grid: int | tuple[int, int, int], device: torch.devic
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata, enter_hook, exit_hook, *args)
 
 
+class CachedLaunch:
+    """A ``triton.jit`` kernel with fixed constexprs and launch options, launched through its
+    compiled handle once the JIT has built it for a specialisation: the JIT binds and specialises
+    every argument on every call, host time that a short call waits for.
+
+    The handle is kept per specialisation key, every argument as given with each tensor replaced
+    by its pointer's alignment (what Triton specialises a pointer on; integers are themselves in
+    the key). Under the interpreter every call goes through the JIT.
+    """
+
+    __slots__ = ("kernel", "constants", "options", "compiled")
+
+    def __init__(self, kernel, constants: dict, **options):
+        assert kernel.arg_names[-len(constants):] == list(constants), "constexprs must close the signature"
+        self.kernel, self.constants, self.options = kernel, constants, options
+        self.compiled = {}
+
+    def __call__(self, grid: tuple, device: torch.device, *args) -> None:
+        key = tuple(arg.data_ptr() & 15 if isinstance(arg, torch.Tensor) else arg for arg in args)
+        compiled = self.compiled.get(key)
+        if compiled is not None:
+            run_compiled(compiled, (*grid, 1, 1)[:3], device, (*args, *self.constants.values()))
+            return
+        compiled = self.kernel[grid](*args, **self.constants, **self.options)
+        if not INTERPRETED:
+            self.compiled[key] = compiled
+
+
 def interpreter_upcasts(dtype: torch.dtype) -> bool:
     """bfloat16 ``tl.dot`` is wrong under Triton's interpreter: such calls compute in float32."""
     return INTERPRETED and dtype == torch.bfloat16

@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 
 from ...compat import COMPILE_OPTIONS, GluonASTSource
 from ...params import AttentionParams
-from ...runtime import KernelBuildError, run_compiled
+from ...runtime import CachedLaunch, KernelBuildError, run_compiled
 from ..triton.backward import sinks_grad_kernel
 from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
 from ..triton.launch import TileList, tma_compatible, window_bounds
@@ -135,12 +135,30 @@ def as_batch_of_one(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.unsqueeze(0).transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class _RowLaunches:
+    """The backward's passes over rows: the preparation (LSE in log2 units, delta, dQ's buffer
+    zeroed), the sinks' gradient and dQ's conversion."""
+
+    rows: CachedLaunch
+    sinks_grad: CachedLaunch
+    finish_dq: CachedLaunch
+
+
+def _row_launches(head_dim: int) -> _RowLaunches:
+    """New handles per call signature (HopperBackward), whose integers stay fixed: a few keys each."""
+    per_row = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK)
+    return _RowLaunches(CachedLaunch(backward_rows_kernel, per_row, num_warps=4, **COMPILE_OPTIONS),
+                        CachedLaunch(sinks_grad_kernel, dict(BLOCK=1024, LSE_LOG2=True), **COMPILE_OPTIONS),
+                        CachedLaunch(finish_dq_kernel, per_row, num_warps=4, **COMPILE_OPTIONS))
+
+
 class HopperBackward:
     """The Gluon backward for one call signature; calling it writes dq, dk and dv, and with sinks
     ``scores.sinks_grad`` (``scores=ScoreTensors(...)`` for calls with score features)."""
 
     __slots__ = ("schedule", "compiled", "grid", "integers", "device", "padded_q", "rows_grid", "params", "batch",
-                 "seqlen_q", "tile_list")
+                 "seqlen_q", "tile_list", "row_launches")
 
     def __init__(self, params: AttentionParams, schedule: HopperBackwardSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
@@ -160,6 +178,7 @@ class HopperBackward:
             self.tile_list = None
             self.grid = -(-seqlen_k // schedule.block_n) * params.batch * params.kv_heads
         self.padded_q = -(-self.seqlen_q // 128) * 128
+        self.row_launches = _row_launches(params.head_dim)
         self.rows_grid = (self.padded_q // ROWS_BLOCK, self.batch * params.q_heads)
         self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, self.seqlen_q,
                          seqlen_k, lo, hi, params.options.scale, *features.scalars(params.options), *constants)
@@ -182,14 +201,12 @@ class HopperBackward:
         # every part starts 16-byte aligned for TMA.
         scratch = torch.empty(rows * (2 + head_dim), device=q.device, dtype=torch.float32)
         lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:]
-        backward_rows_kernel[self.rows_grid](
-            out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(), *lse.stride()[:2],
-            p.q_heads, seqlen_q, self.padded_q,
-            HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, num_warps=4, **COMPILE_OPTIONS)
+        launches = self.row_launches
+        launches.rows(self.rows_grid, q.device, out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(),
+                      *lse.stride()[:2], p.q_heads, seqlen_q, self.padded_q)
         if scores is not None and scores.sinks is not None:  # needs only the LSE and delta
-            sinks_grad_kernel[(p.q_heads,)](
-                lse2, delta, scores.sinks, scores.sinks_grad, p.q_heads * self.padded_q, self.padded_q,
-                scores.sinks.stride(0), batch, seqlen_q, BLOCK=1024, LSE_LOG2=True, **COMPILE_OPTIONS)
+            launches.sinks_grad((p.q_heads,), q.device, lse2, delta, scores.sinks, scores.sinks_grad,
+                                p.q_heads * self.padded_q, self.padded_q, scores.sinks.stride(0), batch, seqlen_q)
         alibi, _, (stride_ab, stride_ah, _) = score_arguments(scores, lse2)
         accum = dq_accum.view(batch, p.q_heads, self.padded_q, head_dim)
         descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, dk, dv, accum))
@@ -197,6 +214,5 @@ class HopperBackward:
         run_compiled(self.compiled, self.grid, self.device,
                      (*descriptors, *row_stats, alibi, *sequences, dk, dv, lse2, delta, *packed_strides, stride_ab, stride_ah,
                       *self.integers))
-        finish_dq_kernel[(-(-seqlen_q // ROWS_BLOCK), batch * p.q_heads)](
-            dq_accum, dq, *dq.stride(), p.q_heads, seqlen_q, self.padded_q, p.options.scale,
-            HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, num_warps=4, **COMPILE_OPTIONS)
+        launches.finish_dq((-(-seqlen_q // ROWS_BLOCK), batch * p.q_heads), q.device, dq_accum, dq, *dq.stride(),
+                           p.q_heads, seqlen_q, self.padded_q, p.options.scale)
