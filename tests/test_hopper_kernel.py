@@ -195,6 +195,11 @@ def test_shipped_rules_follow_the_measurements():
     assert plan(1024, 64, causal=False, batch=2) == small_grid
     assert plan(1024, 64, causal=False, batch=3) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
     assert plan(512, 64, causal=False, batch=1) is None  # the portable kernel's small tiles
+    # a narrow window: persistent at any length; a wide one follows the causal rules
+    q = torch.empty(1, dtype=torch.bfloat16).expand(1, 16, 16384, 128)
+    narrow, wide = (schedules.shipped_schedule(attention_params("test", q, q, q, window=(left, 0)), "sm_90", 132)[0]
+                    for left in (1023, 4095))
+    assert narrow == HopperSchedule(persistent=True, q_buffers=2) and wide == HopperSchedule(persistent=False)
     schedule, rule = schedules.shipped_schedule(params_of(8, 1024, 64, False), "sm_80", 108)
     assert schedule is None and "sm_80" in rule
 
