@@ -34,7 +34,9 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("softcap 30 D64", 4, 32, 4096, 64, True, {"softcap": 30.0}),
          ("window 1024", 1, 16, 16384, 128, True, {"window": (1023, 0)}),
          ("window 4096", 1, 16, 16384, 128, True, {"window": (4095, 0)}),
-         ("window 1024 S4k", 4, 16, 4096, 128, True, {"window": (1023, 0)})]
+         ("window 1024 S4k", 4, 16, 4096, 128, True, {"window": (1023, 0)}),
+         ("plain D128 causal S16k", 1, 16, 16384, 128, True, {}),
+         ("plain D64 causal S16k", 1, 32, 16384, 64, True, {})]
 
 
 def feature_arguments(heads, kwargs):

@@ -94,9 +94,14 @@ HOPPER_SCHEDULES = {  # HopperSchedule fields; names without spaces (test ids pa
     "one_consumer_three_ctas_per_sm_64_keys": {"consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 3},
     "one_consumer_three_ctas_per_sm_64_keys_exp2_1_in_8": {"consumers": 1, "block_n": 64, "q_buffers": 2,
                                                            "ctas_per_sm": 3, "emulated_exp2": 8},
+    "dynamic": {"persistent": True, "dynamic": True},
+    "dynamic_two_q_buffers_exp2_1_in_8": {"persistent": True, "dynamic": True, "q_buffers": 2, "emulated_exp2": 8},
+    "dynamic_one_consumer_three_ctas_per_sm_64_keys": {"consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 3,
+                                                       "dynamic": True},
 }
 # Too few registers per thread for a D=128 accumulator: ptxas refuses these.
-D64_ONLY_SCHEDULES = {"one_consumer_three_ctas_per_sm_64_keys", "one_consumer_three_ctas_per_sm_64_keys_exp2_1_in_8"}
+D64_ONLY_SCHEDULES = {"one_consumer_three_ctas_per_sm_64_keys", "one_consumer_three_ctas_per_sm_64_keys_exp2_1_in_8",
+                      "dynamic_one_consumer_three_ctas_per_sm_64_keys"}
 
 
 @pytest.mark.parametrize("schedule", HOPPER_SCHEDULES)
@@ -140,7 +145,8 @@ def test_default_path_schedules(dtype, shape, causal, plan):
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300), (1, 5, 5, 300, 300), (7, 1, 1, 1100, 1100), (2, 3, 1, 640, 900)],
                          ids=lambda shape: "x".join(map(str, shape)))  # ids pass through a shell: no spaces
-@pytest.mark.parametrize("schedule", ["persistent_two_q_buffers", "one_consumer_three_ctas_per_sm_64_keys"])
+@pytest.mark.parametrize("schedule", ["persistent_two_q_buffers", "one_consumer_three_ctas_per_sm_64_keys", "dynamic",
+                                      "dynamic_one_consumer_three_ctas_per_sm_64_keys"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_causal_pairs_cover_every_tile(head_dim, shape, schedule):
     """Persistent causal programs walk pairs of tiles: odd tile counts (the last pair is one tile),

@@ -171,6 +171,14 @@ def test_refused_off_hopper_with_a_reason():
     assert reason and ("interpreter" in reason or "TRITON_INTERPRET" in reason or "CUDA" in reason)
 
 
+def test_dynamic_tiles_need_a_persistent_schedule():
+    with pytest.raises(ValueError, match="dynamic"):
+        HopperSchedule(persistent=False, dynamic=True)
+    schedule = HopperSchedule(persistent=True, q_buffers=2, dynamic=True)
+    assert HopperSchedule.from_ints(schedule.to_ints()) == schedule
+    assert HopperSchedule.from_record(schedule.to_record()) == schedule
+
+
 def test_shipped_rules_follow_the_measurements():
     """The shipped sm_90 rules (tuning data) reproduce the measured table of docs/perf.md."""
     def plan(seqlen, head_dim, causal, batch=8):
@@ -188,18 +196,18 @@ def test_shipped_rules_follow_the_measurements():
     assert plan(512, 64, causal=True) is None  # not measured against the portable kernel
     assert plan(2048, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
     assert plan(4096, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
-    assert plan(16384, 64, causal=True) == HopperSchedule(persistent=False, emulated_exp2=8)
+    assert plan(16384, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, dynamic=True, emulated_exp2=8)
     # 128 or 256 tiles of 128 rows: fewer than two per multiprocessor
     small_grid = HopperSchedule(persistent=True, consumers=1, q_buffers=2, ctas_per_sm=2, emulated_exp2=8)
     assert plan(1024, 64, causal=False, batch=1) == small_grid
     assert plan(1024, 64, causal=False, batch=2) == small_grid
     assert plan(1024, 64, causal=False, batch=3) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
     assert plan(512, 64, causal=False, batch=1) is None  # the portable kernel's small tiles
-    # a narrow window: persistent at any length; a wide one follows the causal rules
+    # sliding windows and packed sequences take tiles one at a time
     q = torch.empty(1, dtype=torch.bfloat16).expand(1, 16, 16384, 128)
-    narrow, wide = (schedules.shipped_schedule(attention_params("test", q, q, q, window=(left, 0)), "sm_90", 132)[0]
-                    for left in (1023, 4095))
-    assert narrow == HopperSchedule(persistent=True, q_buffers=2) and wide == HopperSchedule(persistent=False)
+    dynamic = HopperSchedule(persistent=True, q_buffers=2, dynamic=True)
+    for left in (1023, 4095):
+        assert schedules.shipped_schedule(attention_params("test", q, q, q, window=(left, 0)), "sm_90", 132)[0] == dynamic
     schedule, rule = schedules.shipped_schedule(params_of(8, 1024, 64, False), "sm_80", 108)
     assert schedule is None and "sm_80" in rule
 

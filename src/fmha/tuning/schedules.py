@@ -8,7 +8,7 @@ that matches gives the schedule, or ``null`` for the portable kernel. Conditions
 * ``seqlen_q_from`` / ``seqlen_q_below``: the query length is at least / under;
 * ``flops_below``: 4·B·Hq·Sq·Sk·D is under (the 128-row tiles would idle);
 * ``tiles_per_sm_below``: 128-row tiles per multiprocessor are under (the grid would not fill the GPU);
-* ``window_left_below``: the window has a left bound under this many keys (tiles see few key blocks).
+* ``window``: the window has a left bound (sliding windows), or not.
 
 An entry that ``fmha tune`` stored in the cache for the call's key comes before these rules.
 """
@@ -50,7 +50,7 @@ def _matches(when: dict, params: AttentionParams, multiprocessors: int) -> bool:
         "seqlen_q_below": lambda value: params.seqlen_q < value,
         "flops_below": lambda value: flops < value,
         "tiles_per_sm_below": lambda value: tiles < value * multiprocessors,
-        "window_left_below": lambda value: params.options.window_left is not None and params.options.window_left < value,
+        "window": lambda value: (params.options.window_left is not None) == value,
     }
     return all(tests[name](value) for name, value in when.items())
 
@@ -66,4 +66,4 @@ def shipped_schedule(params: AttentionParams, architecture: str,
 
 def rule_conditions() -> tuple[str, ...]:
     return ("head_dim", "causal", "varlen", "seqlen_q_from", "seqlen_q_below", "flops_below", "tiles_per_sm_below",
-            "window_left_below")
+            "window")

@@ -231,21 +231,27 @@ def _program_steps(num_tiles, HAS_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
 
 @gluon.jit
 def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """The program's step-th tile. Tile t covers query block t % num_m_blocks of (batch, head)
-    t // num_m_blocks: the query blocks of one head run side by side and share K/V in L2.
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      DYNAMIC: gl.constexpr):
+    """The program's step-th tile (DYNAMIC: tile ``step`` itself). Tile t covers query block
+    t % num_m_blocks of (batch, head) t // num_m_blocks: the query blocks of one head run side by
+    side and share K/V in L2.
 
     Causal tiles differ in length (the last rows see the most keys). With one program per tile
     they run longest first within a head, so the short tiles fill the tail of the wave. A
     persistent program takes them in pairs, the longest and the shortest query block left in a
     head (m and M - 1 - m), so that every pair, and every program, has the same number of key
     blocks: program p walks pairs p, p + P, p + 2P, ... of the cdiv(T, 2) pairs, the last one too
-    (dealing the remainder out as single tiles left some programs twice the work of others)."""
+    (dealing the remainder out as single tiles left some programs twice the work of others).
+    Tiles taken from a counter (DYNAMIC) come longest first within a head, as with one program per tile."""
     programs = gl.num_programs(0)
-    tile = gl.program_id(0) + step * programs
+    if DYNAMIC:
+        tile = step
+    else:
+        tile = gl.program_id(0) + step * programs
     m_block = tile % num_m_blocks
     if HAS_RIGHT:
-        if _paired(num_tiles, HAS_RIGHT, False):
+        if not DYNAMIC and _paired(num_tiles, HAS_RIGHT, False):
             tile = 2 * (gl.program_id(0) + (step // 2) * programs) + step % 2
             local = tile % num_m_blocks
             if local % 2 == 0:
@@ -265,8 +271,8 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
 @gluon.jit
 def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-          VARLEN: gl.constexpr):
-    """The program's step-th tile: ``(valid, batch, head, kv_head, first_row, q_start, k_start,
+          VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The program's step-th tile (DYNAMIC: tile ``step`` itself): ``(valid, batch, head, kv_head, first_row, q_start, k_start,
     seqlen_q, seqlen_k, lo, hi, key blocks, sequence)``, its sequence's lengths and window in its own
     rows; ``sequence`` is the batch index, or the packed sequence's.
 
@@ -277,7 +283,10 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
     the list's end are not valid. Dense tiles start at token 0 of their batch."""
     if VARLEN:
         cu_seqlens_q, cu_seqlens_k, tiles = sequences
-        tile = gl.program_id(0) + step * gl.num_programs(0)
+        if DYNAMIC:
+            tile = step
+        else:
+            tile = gl.program_id(0) + step * gl.num_programs(0)
         entries = num_tiles // num_q_heads
         entry = tile % entries
         head = tile // entries
@@ -294,16 +303,48 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
     else:
         batch, head, kv_head, first_row, blocks = _tile_coordinates(
             step, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi,
-            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DYNAMIC)
         return True, batch, head, kv_head, first_row, 0, 0, seqlen_q, seqlen_k, lo, hi, blocks, batch
 
 
+# Tiles handed from the load warp to the consumers (DYNAMIC): a ring of TILE_SLOTS shared int32s.
+TILE_SLOTS: gl.constexpr = gl.constexpr(2)
+TILE_SLOT_LAYOUT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+
+
 @gluon.jit
-def _load_partition(
-    args,  # unpacked below
+def _hand_out_tile(tile_slots, index, tile):
+    """The load warp's index-th tile (num_tiles: there are no more) to every consumer."""
+    tile_ids, tile_ready, tile_free = tile_slots[1], tile_slots[2], tile_slots[3]
+    slot = index % TILE_SLOTS
+    # Every consumer took the slot's previous tile (the first use finds it free).
+    mbarrier.wait(tile_free.index(slot), ((index // TILE_SLOTS) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile_ids.index(slot).store(gl.full([1], tile, gl.int32, layout))
+    mbarrier.arrive(tile_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take_tile(tile_slots, index):
+    """A consumer's index-th tile from the load warp (:func:`_hand_out_tile`)."""
+    tile_ids, tile_ready, tile_free = tile_slots[1], tile_slots[2], tile_slots[3]
+    slot = index % TILE_SLOTS
+    mbarrier.wait(tile_ready.index(slot), (index // TILE_SLOTS) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile = gl.max(tile_ids.index(slot).load(layout), axis=0)
+    mbarrier.arrive(tile_free.index(slot), count=1)
+    return tile
+
+
+@gluon.jit
+def _load_tile(
+    step, ring_position, tile_count, args,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    CONSUMERS: gl.constexpr, VARLEN: gl.constexpr,
+    CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
+    """The load warp's part of one tile: its consumers' Q blocks, then its K/V blocks through the
+    ring. ``step``: the program's step, or with DYNAMIC the tile itself; returns the ring position
+    and tile count after it."""
     if VARLEN:
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, sequences) = args
@@ -314,38 +355,63 @@ def _load_partition(
         sequences = None
     consumer_rows: gl.constexpr = q_desc.block_type.shape[2]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+    valid, batch, head, kv_head, first_row, q_start, k_start, _, _, _, _, blocks, _ = _tile(
+        step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
+        CONSUMERS * consumer_rows, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC)
+    if valid:
+        start, _, _, end = blocks
+        q_phase = (tile_count // Q_BUFFERS) & 1
+        for consumer in gl.static_range(CONSUMERS):
+            q_slot = consumer * Q_BUFFERS + tile_count % Q_BUFFERS
+            # A free barrier completes once per use; the first wait finds it free.
+            mbarrier.wait(q_free.index(q_slot), q_phase ^ 1)
+            mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
+            tma_load(q_desc, [batch, head, q_start + first_row + consumer * consumer_rows, 0],
+                     q_ready.index(q_slot), q_smem.index(q_slot))
+        for block in range(start, end):
+            position = ring_position + block - start
+            slot = position % STAGES
+            # The consumers released this slot's previous block (the first STAGES find it free).
+            if position >= STAGES:
+                slot_barriers.wait(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma_load(k_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
+                     k_ready.index(slot), k_smem.index(slot))
+            if position >= STAGES:
+                slot_barriers.wait(_v_slot_barrier(slot, STAGES), _slot_threads(CONSUMERS))
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma_load(v_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
+                     v_ready.index(slot), v_smem.index(slot))
+        ring_position += end - start
+        tile_count += 1
+    return ring_position, tile_count
+
+
+@gluon.jit
+def _load_partition(
+    args,  # :func:`_load_tile` unpacks them
+    tile_slots,  # with DYNAMIC: the tile counter, and where this warp hands out tiles (:func:`_hand_out_tile`)
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+    CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
+):
+    num_tiles = args[10]
     ring_position = 0  # K/V blocks loaded so far, over all tiles: slot and phase of the next one
     tile_count = 0
-    for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
-        valid, batch, head, kv_head, first_row, q_start, k_start, _, _, _, _, blocks, _ = _tile(
-            step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
-            CONSUMERS * consumer_rows, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN)
-        if valid:
-            start, _, _, end = blocks
-            q_phase = (tile_count // Q_BUFFERS) & 1
-            for consumer in gl.static_range(CONSUMERS):
-                q_slot = consumer * Q_BUFFERS + tile_count % Q_BUFFERS
-                # A free barrier completes once per use; the first wait finds it free.
-                mbarrier.wait(q_free.index(q_slot), q_phase ^ 1)
-                mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
-                tma_load(q_desc, [batch, head, q_start + first_row + consumer * consumer_rows, 0],
-                         q_ready.index(q_slot), q_smem.index(q_slot))
-            for block in range(start, end):
-                position = ring_position + block - start
-                slot = position % STAGES
-                # The consumers released this slot's previous block (the first STAGES find it free).
-                if position >= STAGES:
-                    slot_barriers.wait(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                tma_load(k_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
-                         k_ready.index(slot), k_smem.index(slot))
-                if position >= STAGES:
-                    slot_barriers.wait(_v_slot_barrier(slot, STAGES), _slot_threads(CONSUMERS))
-                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                tma_load(v_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
-                         v_ready.index(slot), v_smem.index(slot))
-            ring_position += end - start
-            tile_count += 1
+    if DYNAMIC:  # take tiles from the launch's counter and hand each to the consumers; num_tiles: done
+        counter = tile_slots[0]
+        handed = 0
+        tile = gl.atomic_add(counter, 1)
+        while tile < num_tiles:
+            _hand_out_tile(tile_slots, handed, tile)
+            ring_position, tile_count = _load_tile(tile, ring_position, tile_count, args, BLOCK_N, STAGES, HAS_LEFT,
+                                                   HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC)
+            handed += 1
+            tile = gl.atomic_add(counter, 1)
+        _hand_out_tile(tile_slots, handed, num_tiles)
+    else:
+        for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
+            ring_position, tile_count = _load_tile(step, ring_position, tile_count, args, BLOCK_N, STAGES, HAS_LEFT,
+                                                   HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC)
     # Take the consumers' last releases: no named barrier is left half-arrived when the CTA exits.
     for position in range(gl.maximum(ring_position - STAGES, 0), ring_position):
         slot = position % STAGES
@@ -524,12 +590,15 @@ def _store_rows(out, staging, base, stride_row, row0, num_rows):
 
 
 @gluon.jit
-def _consumer_partition(
-    shared,  # the runtime arguments every consumer gets, unpacked below
+def _consumer_tile(
+    step, ring_position, tile_count, shared, tile_args,
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):
+    """One tile of a consumer: its 64 rows' output and LSE. ``step``: the program's step, or with
+    DYNAMIC the tile itself; returns the ring position and tile count after it."""
     if VARLEN:  # also the sequences, and the output's pointer and strides
         (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args,
@@ -539,6 +608,7 @@ def _consumer_partition(
         (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args) = shared
         sequences = None
+    rng_key, rng_groups = tile_args
     dtype: gl.constexpr = o_desc.dtype
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
     s_layout: gl.constexpr = accumulator_layout(BLOCK_N)
@@ -548,119 +618,145 @@ def _consumer_partition(
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
-    if DROPOUT:  # the call's Philox key; every row's keys (Sk, or the packed total) take four counters per 32
-        rng_key = dropout_key(score_args[6])
-        rng_groups = (gl.cdiv(seqlen_k, 32) * 4).to(gl.int64)
-    ring_position = 0
-    tile_count = 0
-    for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
-        valid, batch, head, kv_head, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks, sequence = _tile(
-            step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
-            CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN)
-        if valid:
-            start, full_start, full_end, end = blocks
-            ring_base = ring_position - start  # key block b sits at ring position ring_base + b
-            row0 = first_row + CONSUMER * ROWS
-            rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
-            dropout = 0
-            if DROPOUT:  # counter rows as the portable kernels number them: (batch, head, row), or (head, packed row)
-                rng_row = (batch * num_q_heads + head).to(gl.int64) * seqlen_q + q_start
-                dropout = _tile_dropout(rows, rng_row, rng_groups, rng_key, score_args[7], BLOCK_N)
-            mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, dropout, ALIBI)
-            if ALIBI == ALIBI_CAUSAL_MMA:
-                mods = mods + (_alibi_key_terms(o_smem.index(CONSUMER), mods[1], qk_scale, BLOCK_N),)
-            row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-            row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
-            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-            q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
-            mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
-            q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
-            if end > start:
-                # The first block: scores and probabilities; its P·V is issued with the next block's Q·Kᵀ.
-                slot = ring_position % STAGES
-                mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
-                k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
-                scores = _scores(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), mods, ALIBI)
-                scores = warpgroup_mma_wait(0, deps=(scores,))
-                slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
-                probs, row_max, row_sum = _softmax_first_block(
-                    scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods,
-                    (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
-                if DROPOUT:
-                    probs = dropped(probs, start * BLOCK_N, mods[3])
-                # Blocks wholly visible to every row run without masks; the window's edges and the end
-                # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
-                unmasked_start = gl.maximum(full_start, start + 1)
-                unmasked_end = gl.maximum(full_end, unmasked_start)
-                if HAS_LEFT:
-                    acc, probs, row_max, row_sum = _pipelined_blocks(
-                        acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
-                        rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
-                        mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
-                        DROPOUT)
+    valid, batch, head, kv_head, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks, sequence = _tile(
+        step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
+        CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC)
+    if valid:
+        start, full_start, full_end, end = blocks
+        ring_base = ring_position - start  # key block b sits at ring position ring_base + b
+        row0 = first_row + CONSUMER * ROWS
+        rows = row0 + gl.arange(0, ROWS, layout=s_rows)  # [ROWS]
+        dropout = 0
+        if DROPOUT:  # counter rows as the portable kernels number them: (batch, head, row), or (head, packed row)
+            rng_row = (batch * num_q_heads + head).to(gl.int64) * seqlen_q + q_start
+            dropout = _tile_dropout(rows, rng_row, rng_groups, rng_key, score_args[7], BLOCK_N)
+        mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, dropout, ALIBI)
+        if ALIBI == ALIBI_CAUSAL_MMA:
+            mods = mods + (_alibi_key_terms(o_smem.index(CONSUMER), mods[1], qk_scale, BLOCK_N),)
+        row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+        row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
+        mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
+        q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
+        if end > start:
+            # The first block: scores and probabilities; its P·V is issued with the next block's Q·Kᵀ.
+            slot = ring_position % STAGES
+            mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
+            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+            scores = _scores(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), mods, ALIBI)
+            scores = warpgroup_mma_wait(0, deps=(scores,))
+            slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
+            probs, row_max, row_sum = _softmax_first_block(
+                scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods,
+                (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+            if DROPOUT:
+                probs = dropped(probs, start * BLOCK_N, mods[3])
+            # Blocks wholly visible to every row run without masks; the window's edges and the end
+            # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
+            unmasked_start = gl.maximum(full_start, start + 1)
+            unmasked_end = gl.maximum(full_end, unmasked_start)
+            if HAS_LEFT:
                 acc, probs, row_max, row_sum = _pipelined_blocks(
                     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
-                    rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
-                    mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
-                    DROPOUT)
-                acc, probs, row_max, row_sum = _pipelined_blocks(
-                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
-                    rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
+                    rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
                     mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
                     DROPOUT)
-                last = ring_position + end - start - 1
-                last_slot = last % STAGES
-                mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
-                v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
-                p = gl.convert_layout(probs.to(dtype), p_layout)
-                acc = warpgroup_mma(p, v, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                slot_barriers.signal(_v_slot_barrier(last_slot, STAGES), _slot_threads(CONSUMERS))
-            mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
+            acc, probs, row_max, row_sum = _pipelined_blocks(
+                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
+                rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
+                mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
+                DROPOUT)
+            acc, probs, row_max, row_sum = _pipelined_blocks(
+                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
+                rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
+                mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
+                DROPOUT)
+            last = ring_position + end - start - 1
+            last_slot = last % STAGES
+            mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
+            v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
+            p = gl.convert_layout(probs.to(dtype), p_layout)
+            acc = warpgroup_mma(p, v, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            slot_barriers.signal(_v_slot_barrier(last_slot, STAGES), _slot_threads(CONSUMERS))
+        mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
 
-            # Rows that saw no key: output 0 and LSE -inf, never 0/0.
-            seen = row_sum > 0.0
-            if SINKS:
-                # The sink joins the row's max and denominator: exp2(sink - top) of mass that goes nowhere.
-                Sinks, stride_sh = score_args[4], score_args[5]
-                sink = gl.load(Sinks + head.to(gl.int64) * stride_sh) * LOG2_E
-                top = gl.maximum(row_max, sink)
-                top = gl.where(top == float("-inf"), 0.0, top)
-                kept = gl.exp2(row_max - top)
-                total = gl.where(seen, row_sum * kept + gl.exp2(sink - top), 1.0)
-                factor = gl.where(seen, kept / total, 0.0)
-                if DROPOUT:  # kept probabilities count 1 / (1 - p) times
-                    factor = factor * score_args[8]
-                out = acc * gl.convert_layout(factor, o_rows)[:, None]
-                lse = gl.where(seen, (top + gl.log2(total)) * LN_2, float("-inf"))
+        # Rows that saw no key: output 0 and LSE -inf, never 0/0.
+        seen = row_sum > 0.0
+        if SINKS:
+            # The sink joins the row's max and denominator: exp2(sink - top) of mass that goes nowhere.
+            Sinks, stride_sh = score_args[4], score_args[5]
+            sink = gl.load(Sinks + head.to(gl.int64) * stride_sh) * LOG2_E
+            top = gl.maximum(row_max, sink)
+            top = gl.where(top == float("-inf"), 0.0, top)
+            kept = gl.exp2(row_max - top)
+            total = gl.where(seen, row_sum * kept + gl.exp2(sink - top), 1.0)
+            factor = gl.where(seen, kept / total, 0.0)
+            if DROPOUT:  # kept probabilities count 1 / (1 - p) times
+                factor = factor * score_args[8]
+            out = acc * gl.convert_layout(factor, o_rows)[:, None]
+            lse = gl.where(seen, (top + gl.log2(total)) * LN_2, float("-inf"))
+        else:
+            row_sum_safe = gl.where(seen, row_sum, 1.0)
+            if DROPOUT:  # kept probabilities count 1 / (1 - p) times
+                out = acc * gl.convert_layout(score_args[8] / row_sum_safe, o_rows)[:, None]
             else:
-                row_sum_safe = gl.where(seen, row_sum, 1.0)
-                if DROPOUT:  # kept probabilities count 1 / (1 - p) times
-                    out = acc * gl.convert_layout(score_args[8] / row_sum_safe, o_rows)[:, None]
-                else:
-                    out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
-                lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
-            if VARLEN:  # (Hq, total_q)
-                lse_base = Lse + head.to(gl.int64) * stride_lh + q_start
-            else:  # (B, Hq, Sq)
-                lse_base = Lse + (batch * num_q_heads + head).to(gl.int64) * seqlen_q
-            gl.store(lse_base + rows, lse, mask=rows < seq_q)
-            if VARLEN:
-                if row0 + ROWS <= seq_q:
-                    _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, q_start + row0, 0])
-                else:  # the sequence ends inside the tile: its rows only (the next sequence's follow)
-                    _store_rows(out.to(dtype), o_smem.index(CONSUMER),
-                                Out + q_start * stride_om + head.to(gl.int64) * stride_oh, stride_om, row0, seq_q)
-            else:  # the descriptor clips rows past the end
-                _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, row0, 0])
-            ring_position += end - start
-            tile_count += 1
+                out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
+            lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
+        if VARLEN:  # (Hq, total_q)
+            lse_base = Lse + head.to(gl.int64) * stride_lh + q_start
+        else:  # (B, Hq, Sq)
+            lse_base = Lse + (batch * num_q_heads + head).to(gl.int64) * seqlen_q
+        gl.store(lse_base + rows, lse, mask=rows < seq_q)
+        if VARLEN:
+            if row0 + ROWS <= seq_q:
+                _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, q_start + row0, 0])
+            else:  # the sequence ends inside the tile: its rows only (the next sequence's follow)
+                _store_rows(out.to(dtype), o_smem.index(CONSUMER),
+                            Out + q_start * stride_om + head.to(gl.int64) * stride_oh, stride_om, row0, seq_q)
+        else:  # the descriptor clips rows past the end
+            _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, row0, 0])
+        ring_position += end - start
+        tile_count += 1
+    return ring_position, tile_count
+
+
+@gluon.jit
+def _consumer_partition(
+    shared,  # the runtime arguments every consumer gets (:func:`_consumer_tile` unpacks them)
+    tile_slots,  # with DYNAMIC: where the load warp hands out tiles (:func:`_take_tile`)
+    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+    VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
+    DYNAMIC: gl.constexpr,
+):
+    num_tiles, seqlen_k, score_args = shared[10], shared[15], shared[19]
+    tile_args = (0, 0)
+    if DROPOUT:  # the call's Philox key; every row's keys (Sk, or the packed total) take four counters per 32
+        tile_args = (dropout_key(score_args[6]), (gl.cdiv(seqlen_k, 32) * 4).to(gl.int64))
+    ring_position = 0
+    tile_count = 0
+    if DYNAMIC:  # tiles as the load warp hands them out, until it hands out num_tiles
+        handed = 0
+        tile = _take_tile(tile_slots, handed)
+        while tile < num_tiles:
+            ring_position, tile_count = _consumer_tile(
+                tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
+                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC)
+            handed += 1
+            tile = _take_tile(tile_slots, handed)
+    else:
+        for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
+            ring_position, tile_count = _consumer_tile(
+                step, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
+                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC)
     tma.store_wait(0)
 
 
 @gluon.jit
 def attention_forward_hopper_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, Out, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Sinks, RngState,
+    q_desc, k_desc, v_desc, o_desc, Lse, Out, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Sinks, RngState, TileCounter,
     stride_lh, stride_om, stride_oh, stride_ab, stride_ah, stride_sh,
     num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, softcap_scale, dropout_threshold, dropout_scale,
     num_tiles,
@@ -668,8 +764,10 @@ def attention_forward_hopper_kernel(
     HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):
-    """Programs walk tiles t = program, program + num_programs, ...; descriptors are (B, H, S, D)
+    """Programs walk tiles t = program, program + num_programs, ...; with DYNAMIC they take them
+    from the int32 counter at TileCounter (zero at launch) instead, one at a time, longest first; descriptors are (B, H, S, D)
     with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 1, 2 or 3, Q_BUFFERS 1 or 2;
     CTAS_PER_SM sets the registers each partition gets (:func:`register_budget`).
 
@@ -700,6 +798,15 @@ def attention_forward_hopper_kernel(
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
+    tile_slots = (TileCounter,)  # not read without DYNAMIC
+    if DYNAMIC:
+        tile_ids = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 1], TILE_SLOT_LAYOUT)
+        tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+        tile_free = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+        for slot in gl.static_range(TILE_SLOTS):
+            mbarrier.init(tile_ready.index(slot), count=1)
+            mbarrier.init(tile_free.index(slot), count=CONSUMERS)
+        tile_slots = (TileCounter, tile_ids, tile_ready, tile_free)
 
     score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, Sinks, stride_sh, RngState, dropout_threshold,
                   dropout_scale)
@@ -715,26 +822,26 @@ def attention_forward_hopper_kernel(
     # The registers go to the consumers (setmaxnreg): the load warp needs few.
     if CONSUMERS == 1:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
+            [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+             (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
+            [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+             (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+             (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
-             (_consumer_partition, (shared, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
-             (_consumer_partition, (shared, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT)),
-             (_load_partition, (load_args, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN))],
+            [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+             (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+             (_consumer_partition, (shared, tile_slots, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+             (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

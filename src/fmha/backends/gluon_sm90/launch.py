@@ -129,11 +129,12 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "CONSUMERS": schedule.consumers, "EMULATED_EXP2": schedule.emulated_exp2,
                  "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm, "VARLEN": varlen,
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "SINKS": features.sinks,
-                 "DROPOUT": features.dropout}
+                 "DROPOUT": features.dropout, "DYNAMIC": schedule.dynamic}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",
-                 "AlibiSlopes": "*fp32", "Sinks": "*fp32", "RngState": "*i64", **dict.fromkeys(_STRIDE_ARGS, "i32"),
+                 "AlibiSlopes": "*fp32", "Sinks": "*fp32", "RngState": "*i64", "TileCounter": "*i32",
+                 **dict.fromkeys(_STRIDE_ARGS, "i32"),
                  **dict.fromkeys(_INTEGER_ARGS, "i32"), "qk_scale": "fp32", "softcap_scale": "fp32",
                  "dropout_threshold": "i32", "dropout_scale": "fp32", "num_tiles": "i32",
                  **dict.fromkeys(constants, "constexpr")}
@@ -213,7 +214,7 @@ class HopperForward:
             seqlen_q, seqlen_k = params.seqlen_q, params.seqlen_k
         if not schedule.persistent:
             self.grid = num_tiles
-        elif has_right and not params.varlen:  # programs walk pairs of tiles
+        elif has_right and not params.varlen and not schedule.dynamic:  # programs walk pairs of tiles
             self.grid = min((num_tiles + 1) // 2, schedule.ctas_per_sm * multiprocessors(params.device))
         else:
             self.grid = min(num_tiles, schedule.ctas_per_sm * multiprocessors(params.device))
@@ -233,7 +234,9 @@ class HopperForward:
             sequences = (lse, lse, lse)
         alibi, sinks, score_strides = score_arguments(scores, lse)
         rng_state = lse if scores is None or scores.rng_state is None else scores.rng_state
+        # A counter per call: launches on other streams cannot share it.
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.schedule.dynamic else lse
         run_compiled(self.compiled, self.grid, self.device,
-                     (*descriptors, lse, out, *sequences, alibi, sinks, rng_state, *strides, *score_strides,
+                     (*descriptors, lse, out, *sequences, alibi, sinks, rng_state, counter, *strides, *score_strides,
                       *self.integers))
         return self.compiled

@@ -18,7 +18,9 @@ class HopperSchedule:
     pairs), otherwise one program per tile; ``consumers``: 1-3 warpgroups of 64 query rows per
     tile; ``emulated_exp2`` (0, 2, 4, 8): one exponential in that many on the FMA units;
     ``q_buffers`` 2: each consumer's next Q tile loads while it works on the current one;
-    ``ctas_per_sm``: CTAs sharing a multiprocessor (registers per thread shrink with it).
+    ``ctas_per_sm``: CTAs sharing a multiprocessor (registers per thread shrink with it);
+    ``dynamic`` (persistent only): programs take tiles one at a time from a counter, longest first,
+    instead of a fixed share (balanced as one program per tile is, with the tile starts hidden).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -30,11 +32,13 @@ class HopperSchedule:
     emulated_exp2: int = 0
     q_buffers: int = 1
     ctas_per_sm: int = 1
+    dynamic: bool = False
 
     def __post_init__(self):
         checks = {"block_n": self.block_n in (64, 128), "stages": 1 <= self.stages <= 4,
                   "consumers": self.consumers in (1, 2, 3), "emulated_exp2": self.emulated_exp2 in (0, 2, 4, 8),
-                  "q_buffers": self.q_buffers in (1, 2), "ctas_per_sm": 1 <= self.ctas_per_sm <= 4}
+                  "q_buffers": self.q_buffers in (1, 2), "ctas_per_sm": 1 <= self.ctas_per_sm <= 4,
+                  "dynamic": not self.dynamic or self.persistent}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"HopperSchedule.{name}: {getattr(self, name)!r} is not a valid choice")
@@ -49,7 +53,8 @@ class HopperSchedule:
     @classmethod
     def from_ints(cls, values) -> "HopperSchedule":
         names = [field.name for field in dataclasses.fields(cls)]
-        return cls(**{name: (bool(value) if name == "persistent" else int(value)) for name, value in zip(names, values)})
+        return cls(**{name: (bool(value) if name in ("persistent", "dynamic") else int(value))
+                      for name, value in zip(names, values)})
 
     def to_record(self) -> dict:
         return dataclasses.asdict(self)
