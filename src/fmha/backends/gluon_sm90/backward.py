@@ -38,6 +38,7 @@ from ...compat import cta_barrier, tma_atomic_add, tma_load, tma_store
 from .forward import CONSUMER_WARPS, _store_rows, accumulator_layout, operand_layout
 from .masking import query_blocks, sequence_span, visible
 from .scores import modified_scores
+from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -63,66 +64,91 @@ def _worker_registers(consumers):
 
 
 @gluon.jit
-def _program_block(num_kv_heads, seqlen_k, BLOCK_N: gl.constexpr):
-    """(batch, kv_head, n_block) of this program: the key blocks of one head run side by side
+def _program_block(tile, num_kv_heads, seqlen_k, BLOCK_N: gl.constexpr):
+    """(batch, kv_head, n_block) of tile ``tile``: the key blocks of one head run side by side
     (they share its Q and dO in L2), the first keys first (causal: they see the most rows)."""
     num_n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-    program = gl.program_id(0)
-    n_block = program % num_n_blocks
-    batch_head = program // num_n_blocks
+    n_block = tile % num_n_blocks
+    batch_head = tile // num_n_blocks
     return batch_head // num_kv_heads, batch_head % num_kv_heads, n_block
 
 
 @gluon.jit
-def _program_tile(sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr):
+def _program_tile(tile, num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N: gl.constexpr,
+                  VARLEN: gl.constexpr):
     """``(valid, batch, kv_head, n_block, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence)``
-    of this program: its key block, and its sequence's start, lengths and window in its own rows.
+    of tile ``tile`` of ``num_tiles``: its key block, and its sequence's start, lengths and window
+    in its own rows.
 
     Packed sequences (VARLEN): ``sequences`` holds cu_seqlens_q, cu_seqlens_k and the key blocks'
-    tile list (:mod:`fmha.backends.triton.varlen`, deepest first); program p takes entry p % E for
-    KV head p // E; seqlen_q and seqlen_k arrive as the packed totals, lo and hi without the
+    tile list (:mod:`fmha.backends.triton.varlen`, deepest first); tile t is entry t % E for
+    KV head t // E; seqlen_q and seqlen_k arrive as the packed totals, lo and hi without the
     sequence's Sk - Sq. Entries past the list's end are not valid. ``sequence`` indexes the
     sequence's ALiBi slopes (the batch, dense)."""
     if VARLEN:
         cu_seqlens_q, cu_seqlens_k, tiles = sequences
-        entries = gl.num_programs(0) // num_kv_heads
-        entry = gl.program_id(0) % entries
+        entries = num_tiles // num_kv_heads
+        entry = tile % entries
         seq = gl.load(tiles + 2 * entry)
         sequence = gl.maximum(seq, 0)
         q_start, seq_q = sequence_span(cu_seqlens_q, sequence, seqlen_q)
         k_start, seq_k = sequence_span(cu_seqlens_k, sequence, seqlen_k)
-        return (seq >= 0, 0, gl.program_id(0) // entries, gl.load(tiles + 2 * entry + 1), q_start, seq_q, k_start,
+        return (seq >= 0, 0, tile // entries, gl.load(tiles + 2 * entry + 1), q_start, seq_q, k_start,
                 seq_k, lo + seq_k - seq_q, hi + seq_k - seq_q, sequence)
     else:
-        batch, kv_head, n_block = _program_block(num_kv_heads, seqlen_k, BLOCK_N)
+        batch, kv_head, n_block = _program_block(tile, num_kv_heads, seqlen_k, BLOCK_N)
         return True, batch, kv_head, n_block, 0, seqlen_q, 0, seqlen_k, lo, hi, batch
 
 
 @gluon.jit
-def _load_partition(args, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, VARLEN: gl.constexpr):
+def _load_partition(args, tile_slots, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                    HAS_RIGHT: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-     kv_ready, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k, lo, hi,
-     packed) = args
+     kv_ready, kv_free, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k, lo, hi,
+     num_tiles, packed) = args
     sequences, Lse2, Delta = packed
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
-        sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
-    if valid:
-        _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-                   k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
-                   n_block * BLOCK_N, q_start, seq_q, k_start, seq_lo, seq_hi, Lse2, Delta, BLOCK_M, STAGES, HAS_LEFT,
-                   HAS_RIGHT, VARLEN)
+    if DYNAMIC:  # tiles from the launch's counter, handed to the consumers (the forward's scheme)
+        counter = tile_slots[0]
+        handed = 0
+        ring_position = 0
+        tile_count = 0
+        tile = gl.atomic_add(counter, 1)
+        while tile < num_tiles:
+            hand_out_tile(tile_slots, handed, tile)
+            valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
+                tile, num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
+            if valid:
+                # The consumers are done with the previous tile's K and V (the first tile finds them free).
+                mbarrier.wait(kv_free, (tile_count & 1) ^ 1)
+                ring_position = _load_tile(
+                    q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                    k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
+                    n_block * BLOCK_N, q_start, seq_q, k_start, seq_lo, seq_hi, Lse2, Delta, ring_position, BLOCK_M,
+                    STAGES, HAS_LEFT, HAS_RIGHT, VARLEN)
+                tile_count += 1
+            handed += 1
+            tile = gl.atomic_add(counter, 1)
+        hand_out_tile(tile_slots, handed, num_tiles)
+    else:
+        valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
+            gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
+        if valid:
+            _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+                       k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
+                       n_block * BLOCK_N, q_start, seq_q, k_start, seq_lo, seq_hi, Lse2, Delta, 0, BLOCK_M, STAGES,
+                       HAS_LEFT, HAS_RIGHT, VARLEN)
 
 
 @gluon.jit
 def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
-               first_key, q_start, seqlen_q, k_start, lo, hi, Lse2, Delta,
+               first_key, q_start, seqlen_q, k_start, lo, hi, Lse2, Delta, ring_position,
                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                VARLEN: gl.constexpr):
-    """The program's K and V block once, then Q, dO and the row statistics of every query block that
-    sees it, for each query head of the KV head (rows and keys counted from q_start and k_start).
+    """The tile's K and V block once, then Q, dO and the row statistics of every query block that
+    sees it, for each query head of the KV head (rows and keys counted from q_start and k_start),
+    through the ring from ``ring_position``; returns the ring position after the tile.
 
     Packed sequences copy the row statistics with plain loads and shared-memory stores (Lse2 and
     Delta): a sequence's rows start anywhere, and a bulk copy of a row vector must start 16-byte
@@ -138,7 +164,7 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do
         # of the (B, Hq, padded_q) row statistics; packed sequences: (1, Hq, padded total)
         rows_base = (batch * num_q_heads + head) * padded_q + q_start
         for step in range(steps):
-            position = member * steps + step
+            position = ring_position + member * steps + step
             slot = position % STAGES
             # A free barrier completes once per use; the first wait finds it free.
             mbarrier.wait(q_free.index(slot), ((position // STAGES) & 1) ^ 1)
@@ -155,6 +181,7 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do
                 tma_load(delta_desc, [rows_base + first_row], q_ready.index(slot), delta_smem.index(slot))
             tma_load(q_desc, [batch, head, q_start + first_row, 0], q_ready.index(slot), q_smem.index(slot))
             tma_load(do_desc, [batch, head, q_start + first_row, 0], q_ready.index(slot), do_smem.index(slot))
+    return ring_position + group_size * steps
 
 
 @gluon.jit
@@ -264,35 +291,57 @@ def _store_rows_of(values, staging, desc, coordinates):
 @gluon.jit
 def _consumer_partition(
     args,  # unpacked below
+    tile_slots,  # with DYNAMIC: where the load warp hands out tiles
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, q_ready, q_free,
-     ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
-     qk_scale, score_args, sequences, packed) = args
+    (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
+     q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
+     qk_scale, score_args, num_tiles, sequences, packed) = args
     BLOCK_N: gl.constexpr = k_smem.shape[2]
-    valid, batch, kv_head, n_block, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi, sequence = _program_tile(
-        sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
-    if valid:
-        _consumer_tile(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready,
-                       q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale, qk_scale,
-                       score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k, seq_lo,
-                       seq_hi, sequence, CONSUMER, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                       DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+    if DYNAMIC:
+        handed = 0
+        ring_position = 0
+        tile_count = 0
+        tile = take_tile(tile_slots, handed)
+        while tile < num_tiles:
+            valid, batch, kv_head, n_block, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi, sequence = _program_tile(
+                tile, num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
+            if valid:
+                ring_position = _consumer_tile(
+                    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready,
+                    kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale,
+                    qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k,
+                    seq_lo, seq_hi, sequence, ring_position, tile_count, CONSUMER, CONSUMERS, BLOCK_M, STAGES,
+                    HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+                tile_count += 1
+            handed += 1
+            tile = take_tile(tile_slots, handed)
+    else:
+        valid, batch, kv_head, n_block, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi, sequence = _program_tile(
+            gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
+        if valid:
+            _consumer_tile(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging,
+                           kv_ready, kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size,
+                           scale, qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q,
+                           k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, CONSUMER, CONSUMERS, BLOCK_M, STAGES,
+                           HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+    tma.store_wait(0)
 
 
 @gluon.jit
 def _consumer_tile(
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, q_ready, q_free,
-    ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale, qk_scale, score_args, packed,
-    batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence,
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
+    q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale, qk_scale, score_args, packed,
+    batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence, ring_position, tile_count,
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
 ):
-    """One consumer's 64 keys of the program's key block: dK and dV over every query block and
-    query head that sees them, then their stores."""
+    """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
+    query block and query head that sees them, then their stores. Its query blocks sit at ring
+    positions from ``ring_position`` on; returns the position after them."""
     AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -311,10 +360,10 @@ def _consumer_tile(
     v_rows = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(CONSUMER * CONSUMER_KEYS, CONSUMER_KEYS)
     dk = gl.zeros([CONSUMER_KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([CONSUMER_KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
-    mbarrier.wait(kv_ready, 0)
+    mbarrier.wait(kv_ready, tile_count & 1)
     for member in range(group_size):
         head = kv_head * group_size + member
-        position_base = member * steps
+        position_base = ring_position + member * steps
         slope = 0.0
         if ALIBI:
             slope = gl.load(AlibiSlopes + sequence.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
@@ -334,6 +383,7 @@ def _consumer_tile(
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT,
             COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+    mbarrier.arrive(kv_free, count=1)  # every product that reads K and V has completed
     own_staging = staging.index(CONSUMER)
     if VARLEN and own_first_key + CONSUMER_KEYS > seqlen_k:
         # The block ends past its sequence: its keys only (the next sequence's rows are another program's).
@@ -344,20 +394,22 @@ def _consumer_tile(
     else:  # the descriptors clip keys past the end of K
         _store_rows_of((dk * scale).to(dtype), own_staging, dk_desc, [batch, kv_head, k_start + own_first_key, 0])
         _store_rows_of(dv.to(dtype), own_staging, dv_desc, [batch, kv_head, k_start + own_first_key, 0])
-    tma.store_wait(0)
+    return ring_position + group_size * steps
 
 
 @gluon.jit
 def attention_backward_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, AlibiSlopes,
-    CuSeqlensQ, CuSeqlensK, Tiles, DK, DV, Lse2, Delta, stride_kn, stride_kh,
-    stride_ab, stride_ah, padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
-    qk_scale, softcap_scale,
+    CuSeqlensQ, CuSeqlensK, Tiles, DK, DV, Lse2, Delta, TileCounter, stride_kn, stride_kh,
+    stride_ab, stride_ah, padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles,
+    scale, qk_scale, softcap_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr,
-    ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
-    """One program per (batch, KV head, key block of 64 x CONSUMERS keys). Descriptors are
+    """One tile per (batch, KV head, key block of 64 x CONSUMERS keys), num_tiles of them: one
+    program per tile, or with DYNAMIC persistent programs that take them from the int32 counter at
+    TileCounter (zero at launch; :mod:`fmha.backends.gluon_sm90.tile_queue`). Descriptors are
     (B, H, S, D): Q and dO in blocks of BLOCK_M rows, K and V of the whole key block, dK and dV of
     one consumer's 64 keys, and dQ's fp32 buffer (B, Hq, padded_q, D), zeroed, of one consumer's share
     of a step; the LSE (log2 units) and delta are flat (B·Hq·padded_q) fp32 vectors, in blocks of
@@ -385,11 +437,16 @@ def attention_backward_hopper_kernel(
     staging = gl.allocate_shared_memory(dtype, [CONSUMERS] + dk_desc.block_type.shape, dk_desc.layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    kv_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(kv_free, count=CONSUMERS)
+    tile_slots = (TileCounter,)  # not read without DYNAMIC
+    if DYNAMIC:
+        tile_slots = allocate_tile_slots(TileCounter, CONSUMERS)
     for slot in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(slot), count=1)
         mbarrier.init(q_free.index(slot), count=CONSUMERS)  # one arrival per consumer
@@ -398,12 +455,12 @@ def attention_backward_hopper_kernel(
         # Read by every consumer (each takes columns of dQ), or by the one whose turn it is.
         mbarrier.init(ds_free.index(buffer), count=1 if DQ_ALTERNATE else CONSUMERS)
 
-    shared = (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, q_ready,
-              q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo,
-              hi, scale, qk_scale, (AlibiSlopes, stride_ab, stride_ah, softcap_scale))
+    shared = (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free,
+              q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q,
+              seqlen_k, lo, hi, scale, qk_scale, (AlibiSlopes, stride_ab, stride_ah, softcap_scale), num_tiles)
     load_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-                 k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q,
-                 seqlen_k, lo, hi)
+                 k_smem, v_smem, kv_ready, kv_free, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q,
+                 seqlen_q, seqlen_k, lo, hi, num_tiles)
     if VARLEN:  # the partitions also get the sequences (and the consumers dK's and dV's pointers); dense
         # builds capture nothing more
         sequences = (CuSeqlensQ, CuSeqlensK, Tiles)
@@ -414,15 +471,15 @@ def attention_backward_hopper_kernel(
         load_args = load_args + ((0, 0, 0),)
     if CONSUMERS == 1:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)),
-             (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN))],
+            [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DYNAMIC)),
+             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
-            [(_consumer_partition, (shared, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)),
-             (_consumer_partition, (shared, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)),
-             (_load_partition, (load_args, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN))],
+            [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DYNAMIC)),
+             (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DYNAMIC)),
+             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

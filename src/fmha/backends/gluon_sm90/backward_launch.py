@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 
 from ...compat import COMPILE_OPTIONS, GluonASTSource
 from ...params import AttentionParams
-from ...runtime import CachedLaunch, KernelBuildError, run_compiled
+from ...runtime import CachedLaunch, KernelBuildError, multiprocessors, run_compiled
 from ..triton.backward import sinks_grad_kernel
 from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
 from ..triton.launch import TileList, tma_compatible, window_bounds
@@ -32,7 +32,9 @@ class HopperBackwardSchedule:
 
     ``consumers`` warpgroups of 64 keys each; ``block_m`` query rows per step through a ring of
     ``stages`` slots. The consumers split dQ's columns, 64 each, or where the head dim is too
-    narrow for that (64), take turns computing the whole tile.
+    narrow for that (64), take turns computing the whole tile. ``dynamic``: persistent programs take
+    key blocks one at a time from a counter (:mod:`fmha.backends.gluon_sm90.tile_queue`) instead of
+    one program per key block.
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -40,6 +42,7 @@ class HopperBackwardSchedule:
     block_m: int = 64
     stages: int = 2
     consumers: int = 2
+    dynamic: bool = False
 
     def __post_init__(self):
         checks = {"block_m": self.block_m in (64, 128), "stages": 1 <= self.stages <= 4,
@@ -65,7 +68,10 @@ class HopperBackwardSchedule:
 
 
 def default_backward_schedule(head_dim: int) -> HopperBackwardSchedule:
-    return HopperBackwardSchedule()
+    """Tiles taken one at a time at D = 64 (1.02-1.07x on the H100, docs/perf.md, session 7); at
+    D = 128 one program per key block (shared memory holds one K/V block, so the next tile's cannot
+    load early, and dynamic tiles lost 1-7% on causal and packed cases)."""
+    return HopperBackwardSchedule(dynamic=head_dim <= 64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,7 +83,7 @@ def _accumulator_layout(rows: int, columns: int):
 # Row statistics: a flat fp32 vector, copied in blocks of BLOCK_M without a swizzle.
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
-_INTEGER_ARGS = ("stride_kn", "stride_kh", "stride_ab", "stride_ah", "padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
+_INTEGER_ARGS = ("stride_kn", "stride_kh", "stride_ab", "stride_ah", "padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi", "num_tiles")
 
 
 def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, has_right: bool,
@@ -95,7 +101,7 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
     constants = {"BLOCK_M": schedule.block_m, "STAGES": schedule.stages, "HAS_LEFT": has_left,
                  "HAS_RIGHT": has_right, "CONSUMERS": schedule.consumers, "COMPUTE_DQ": compute_dq,
                  "DQ_ALTERNATE": schedule.dq_alternate(head_dim), "SOFTCAP": features.softcap,
-                 "ALIBI": features.alibi, "VARLEN": varlen}
+                 "ALIBI": features.alibi, "VARLEN": varlen, "DYNAMIC": schedule.dynamic}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
                  "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
@@ -103,7 +109,7 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                  "lse_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>",
                  "delta_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>", "AlibiSlopes": "*fp32",
                  "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32", "DK": f"*{element}", "DV": f"*{element}",
-                 "Lse2": "*fp32", "Delta": "*fp32",
+                 "Lse2": "*fp32", "Delta": "*fp32", "TileCounter": "*i32",
                  **dict.fromkeys(_INTEGER_ARGS, "i32"), "scale": "fp32", "qk_scale": "fp32", "softcap_scale": "fp32",
                  **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_backward_hopper_kernel.arg_names
@@ -177,11 +183,15 @@ class HopperBackward:
             self.batch, self.seqlen_q, seqlen_k = params.batch, params.seqlen_q, params.seqlen_k
             self.tile_list = None
             self.grid = -(-seqlen_k // schedule.block_n) * params.batch * params.kv_heads
+        num_tiles = self.grid
+        if schedule.dynamic:  # persistent programs take the tiles from a counter
+            self.grid = min(num_tiles, multiprocessors(params.device))
         self.padded_q = -(-self.seqlen_q // 128) * 128
         self.row_launches = _row_launches(params.head_dim)
         self.rows_grid = (self.padded_q // ROWS_BLOCK, self.batch * params.q_heads)
         self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, self.seqlen_q,
-                         seqlen_k, lo, hi, params.options.scale, *features.scalars(params.options), *constants)
+                         seqlen_k, lo, hi, num_tiles, params.options.scale, *features.scalars(params.options),
+                         *constants)
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
                  scores=None) -> None:
@@ -211,8 +221,10 @@ class HopperBackward:
         accum = dq_accum.view(batch, p.q_heads, self.padded_q, head_dim)
         descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, dk, dv, accum))
         row_stats = (_HostDescriptor(lse2, [rows], [1]), _HostDescriptor(delta, [rows], [1]))
+        # A counter per call: launches on other streams cannot share it.
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.schedule.dynamic else lse2
         run_compiled(self.compiled, self.grid, self.device,
-                     (*descriptors, *row_stats, alibi, *sequences, dk, dv, lse2, delta, *packed_strides, stride_ab, stride_ah,
-                      *self.integers))
+                     (*descriptors, *row_stats, alibi, *sequences, dk, dv, lse2, delta, counter, *packed_strides,
+                      stride_ab, stride_ah, *self.integers))
         launches.finish_dq((-(-seqlen_q // ROWS_BLOCK), batch * p.q_heads), q.device, dq_accum, dq, *dq.stride(),
                            p.q_heads, seqlen_q, self.padded_q, p.options.scale)

@@ -54,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from . import slot_barriers
+from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 from .masking import key_blocks, sequence_span, visible
 from .scores import ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, alibi_form, draw_layout, dropout_key, dropped, tanh_approx
 
@@ -307,35 +308,6 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
         return True, batch, head, kv_head, first_row, 0, 0, seqlen_q, seqlen_k, lo, hi, blocks, batch
 
 
-# Tiles handed from the load warp to the consumers (DYNAMIC): a ring of TILE_SLOTS shared int32s.
-TILE_SLOTS: gl.constexpr = gl.constexpr(2)
-TILE_SLOT_LAYOUT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-
-
-@gluon.jit
-def _hand_out_tile(tile_slots, index, tile):
-    """The load warp's index-th tile (num_tiles: there are no more) to every consumer."""
-    tile_ids, tile_ready, tile_free = tile_slots[1], tile_slots[2], tile_slots[3]
-    slot = index % TILE_SLOTS
-    # Every consumer took the slot's previous tile (the first use finds it free).
-    mbarrier.wait(tile_free.index(slot), ((index // TILE_SLOTS) & 1) ^ 1)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    tile_ids.index(slot).store(gl.full([1], tile, gl.int32, layout))
-    mbarrier.arrive(tile_ready.index(slot), count=1)
-
-
-@gluon.jit
-def _take_tile(tile_slots, index):
-    """A consumer's index-th tile from the load warp (:func:`_hand_out_tile`)."""
-    tile_ids, tile_ready, tile_free = tile_slots[1], tile_slots[2], tile_slots[3]
-    slot = index % TILE_SLOTS
-    mbarrier.wait(tile_ready.index(slot), (index // TILE_SLOTS) & 1)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    tile = gl.max(tile_ids.index(slot).load(layout), axis=0)
-    mbarrier.arrive(tile_free.index(slot), count=1)
-    return tile
-
-
 @gluon.jit
 def _load_tile(
     step, ring_position, tile_count, args,
@@ -390,7 +362,7 @@ def _load_tile(
 @gluon.jit
 def _load_partition(
     args,  # :func:`_load_tile` unpacks them
-    tile_slots,  # with DYNAMIC: the tile counter, and where this warp hands out tiles (:func:`_hand_out_tile`)
+    tile_slots,  # with DYNAMIC: the tile counter and the hand-out ring (fmha.backends.gluon_sm90.tile_queue)
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
@@ -402,12 +374,12 @@ def _load_partition(
         handed = 0
         tile = gl.atomic_add(counter, 1)
         while tile < num_tiles:
-            _hand_out_tile(tile_slots, handed, tile)
+            hand_out_tile(tile_slots, handed, tile)
             ring_position, tile_count = _load_tile(tile, ring_position, tile_count, args, BLOCK_N, STAGES, HAS_LEFT,
                                                    HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC)
             handed += 1
             tile = gl.atomic_add(counter, 1)
-        _hand_out_tile(tile_slots, handed, num_tiles)
+        hand_out_tile(tile_slots, handed, num_tiles)
     else:
         for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
             ring_position, tile_count = _load_tile(step, ring_position, tile_count, args, BLOCK_N, STAGES, HAS_LEFT,
@@ -725,7 +697,7 @@ def _consumer_tile(
 @gluon.jit
 def _consumer_partition(
     shared,  # the runtime arguments every consumer gets (:func:`_consumer_tile` unpacks them)
-    tile_slots,  # with DYNAMIC: where the load warp hands out tiles (:func:`_take_tile`)
+    tile_slots,  # with DYNAMIC: the hand-out ring (fmha.backends.gluon_sm90.tile_queue)
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
@@ -739,13 +711,13 @@ def _consumer_partition(
     tile_count = 0
     if DYNAMIC:  # tiles as the load warp hands them out, until it hands out num_tiles
         handed = 0
-        tile = _take_tile(tile_slots, handed)
+        tile = take_tile(tile_slots, handed)
         while tile < num_tiles:
             ring_position, tile_count = _consumer_tile(
                 tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
                 HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC)
             handed += 1
-            tile = _take_tile(tile_slots, handed)
+            tile = take_tile(tile_slots, handed)
     else:
         for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
             ring_position, tile_count = _consumer_tile(
@@ -800,13 +772,7 @@ def attention_forward_hopper_kernel(
         mbarrier.init(v_ready.index(slot), count=1)
     tile_slots = (TileCounter,)  # not read without DYNAMIC
     if DYNAMIC:
-        tile_ids = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 1], TILE_SLOT_LAYOUT)
-        tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
-        tile_free = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
-        for slot in gl.static_range(TILE_SLOTS):
-            mbarrier.init(tile_ready.index(slot), count=1)
-            mbarrier.init(tile_free.index(slot), count=CONSUMERS)
-        tile_slots = (TileCounter, tile_ids, tile_ready, tile_free)
+        tile_slots = allocate_tile_slots(TileCounter, CONSUMERS)
 
     score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, Sinks, stride_sh, RngState, dropout_threshold,
                   dropout_scale)

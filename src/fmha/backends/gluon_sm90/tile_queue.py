@@ -1,0 +1,52 @@
+"""Tiles taken one at a time (the kernels' DYNAMIC schedule): persistent CTAs draw tiles from a
+per-launch int32 counter, longest first, so that they stay balanced as one CTA per tile is while
+each tile's start hides under the previous one's end.
+
+A CTA's load warp draws each tile (one atomic add) and hands it to the consumer warpgroups through
+a ring of TILE_SLOTS shared int32s, each with a "ready" mbarrier (one arrival, the load warp's)
+and a "free" one (one arrival per consumer); drawing num_tiles or more means there are none left,
+and that is handed out too, so every partition leaves its loop.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+TILE_SLOTS: gl.constexpr = gl.constexpr(2)
+TILE_SLOT_LAYOUT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+
+
+@gluon.jit
+def allocate_tile_slots(counter, CONSUMERS: gl.constexpr):
+    """``(counter, tile ids, ready barriers, free barriers)``, initialised; call before the partitions fork."""
+    tile_ids = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 1], TILE_SLOT_LAYOUT)
+    tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    tile_free = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(TILE_SLOTS):
+        mbarrier.init(tile_ready.index(slot), count=1)
+        mbarrier.init(tile_free.index(slot), count=CONSUMERS)
+    return counter, tile_ids, tile_ready, tile_free
+
+
+@gluon.jit
+def hand_out_tile(tile_slots, index, tile):
+    """The load warp's index-th tile (num_tiles: there are no more) to every consumer."""
+    tile_ids, tile_ready, tile_free = tile_slots[1], tile_slots[2], tile_slots[3]
+    slot = index % TILE_SLOTS
+    # Every consumer took the slot's previous tile (the first use finds it free).
+    mbarrier.wait(tile_free.index(slot), ((index // TILE_SLOTS) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile_ids.index(slot).store(gl.full([1], tile, gl.int32, layout))
+    mbarrier.arrive(tile_ready.index(slot), count=1)
+
+
+@gluon.jit
+def take_tile(tile_slots, index):
+    """A consumer's index-th tile from the load warp (:func:`hand_out_tile`)."""
+    tile_ids, tile_ready, tile_free = tile_slots[1], tile_slots[2], tile_slots[3]
+    slot = index % TILE_SLOTS
+    mbarrier.wait(tile_ready.index(slot), (index // TILE_SLOTS) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile = gl.max(tile_ids.index(slot).load(layout), axis=0)
+    mbarrier.arrive(tile_free.index(slot), count=1)
+    return tile
