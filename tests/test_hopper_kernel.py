@@ -46,7 +46,7 @@ report = {"triton": triton.__version__}
 for variant in json.loads(sys.argv[1]):
     head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm, *extra = variant
     schedule = HopperSchedule(block_n=block_n, stages=stages, consumers=consumers, emulated_exp2=emulated_exp2,
-                              q_buffers=q_buffers, ctas_per_sm=ctas_per_sm)
+                              q_buffers=q_buffers, ctas_per_sm=ctas_per_sm, dynamic="dynamic" in extra)
     # The very source, signature and options the launcher compiles on a GPU.
     alibi = 2 if "alibi_causal" in extra else int("alibi" in extra)
     features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=alibi, sinks="sinks" in extra,
@@ -72,7 +72,8 @@ for variant in json.loads(sys.argv[1]):
         # named barriers: the ids the compiler uses (immediates) and the slots' releases (by register)
         "compiler_barriers": sorted({int(n) for n in re.findall(
             r"\b(?:bar|barrier)(?:\.cta)?\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", compiled.asm["ptx"])}),
-        "slot_releases": len(re.findall(r"\bbar\.arrive\s+%r", compiled.asm["ptx"]))}
+        "slot_releases": len(re.findall(r"\bbar\.arrive\s+%r", compiled.asm["ptx"])),
+        "global_atomics": len(re.findall(r"\batom\.global", compiled.asm["ptx"]))}
 print(json.dumps(report))
 """
 
@@ -93,7 +94,9 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (64, False, 2, 128, 2, 8, 2, 1, "dropout"), (64, True, 2, 128, 2, 8, 2, 1, "dropout"),
             (128, False, 2, 128, 2, 0, 2, 1, "dropout"), (128, True, 2, 128, 2, 0, 2, 1, "dropout"),
             (64, True, 1, 64, 2, 0, 2, 3, "dropout"), (128, True, 2, 128, 2, 0, 2, 1, "varlen", "dropout"),
-            (128, False, 2, 128, 2, 0, 2, 1, "softcap", "alibi", "sinks", "dropout")]
+            (128, False, 2, 128, 2, 0, 2, 1, "softcap", "alibi", "sinks", "dropout"),
+            (64, True, 2, 128, 2, 8, 2, 1, "dynamic"), (128, True, 2, 128, 2, 0, 2, 1, "left", "dynamic"),
+            (128, True, 2, 128, 2, 0, 2, 1, "varlen", "dynamic"), (64, True, 1, 64, 2, 0, 2, 3, "dynamic")]
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +120,13 @@ def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
     # of it reserved per CTA) and 64k registers (the launch count, before setmaxnreg moves them).
     assert ctas_per_sm * (build["shared"] + 1024) <= 228 * 1024
     assert ctas_per_sm * build["maxnreg"] * 128 * (consumers + 1) <= 65536
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_only_dynamic_schedules_draw_tiles_from_a_counter(hopper_builds, variant):
+    build = hopper_builds[",".join(map(str, variant))]
+    assert "error" not in build
+    assert (build["global_atomics"] > 0) == ("dynamic" in variant)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
