@@ -156,11 +156,17 @@ def needs_grad(q, k, v, sinks=None) -> bool:
                                         or sinks is not None and sinks.requires_grad)
 
 
+def differentiable(params: AttentionParams, prepared, q, k, v, scores: ScoreTensors = NO_SCORE_TENSORS, seqlens=()):
+    """``(out, lse)`` of a validated eager call whose inputs require grad, recorded for autograd
+    (``seqlens``: the packed sequences' cu_seqlens)."""
+    return _EagerAttention.apply(q, k, v, scores.sinks, params, prepared, scores, seqlens)
+
+
 def launch(params: AttentionParams, prepared, q, k, v, scores: ScoreTensors = NO_SCORE_TENSORS, seqlens=()):
-    """``(out, lse)`` of a validated eager call and its prepared forward (``seqlens``: the packed
-    sequences' cu_seqlens), differentiable when an input requires grad."""
+    """``(out, lse)`` of a validated eager call and its prepared forward, differentiable when an
+    input requires grad."""
     if needs_grad(q, k, v, scores.sinks):
-        return _EagerAttention.apply(q, k, v, scores.sinks, params, prepared, scores, seqlens)
+        return differentiable(params, prepared, q, k, v, scores, seqlens)
     return _launch_forward(prepared, q, k, v, scores, *seqlens)
 
 
