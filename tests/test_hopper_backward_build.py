@@ -27,7 +27,8 @@ from fmha.backends.gluon_sm90 import backward_launch, launch
 report = {"triton": triton.__version__}
 for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):
     schedule = backward_launch.default_backward_schedule(head_dim)
-    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=int("alibi" in extra))
+    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=int("alibi" in extra),
+                                    dropout="dropout" in extra)
     source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, has_left, has_right, schedule,
                                                        features=features, varlen="varlen" in extra)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -38,15 +39,18 @@ for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):
         sass = subprocess.check_output([path_to_cuobjdump(), "-sass", handle.name], text=True)
     report[",".join(map(str, [head_dim, has_left, has_right, *extra]))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "STL",
-                                                 "MUFU.TANH")},
+                                                 "MUFU.TANH", "IMAD.WIDE.U32", "STS", "LDS")},
         "hmma": sass.count("HMMA"), "shared": compiled.metadata.shared}
 print(json.dumps(report))
 """
 
-# (head_dim, has_left, has_right, score features...): dense, causal, a two-sided window, softcap and ALiBi.
+# (head_dim, has_left, has_right, score features...): dense, causal, a two-sided window, softcap, ALiBi
+# and dropout.
 VARIANTS = [(128, False, False), (128, False, True), (64, False, False), (64, True, True),
             (128, False, True, "softcap"), (64, False, True, "softcap", "alibi"), (128, False, False, "alibi"),
-            (128, False, True, "varlen"), (64, True, True, "varlen", "alibi")]
+            (128, False, True, "varlen"), (64, True, True, "varlen", "alibi"), (128, False, False, "dropout"),
+            (64, True, True, "dropout"), (128, False, True, "varlen", "dropout"),
+            (64, False, True, "softcap", "alibi", "dropout")]
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +82,16 @@ def test_softcap_runs_tanh_on_the_mufu_unit(backward_builds):
     """One tanh.approx per score: the exp2-and-division form would add MUFU.EX2 and MUFU.RCP instead."""
     assert backward_builds["128,False,True,softcap"]["counts"]["MUFU.TANH"] > 0
     assert backward_builds["128,False,True"]["counts"]["MUFU.TANH"] == 0
+
+
+@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if "dropout" in variant], ids=str)
+def test_backward_dropout_draws_in_registers(backward_builds, variant):
+    """The backward regenerates the forward's bits where its scores are: Philox's multiplies
+    (IMAD.WIDE.U32) are added, and no tile of bits passes through shared memory."""
+    plain = backward_builds[",".join(map(str, [part for part in variant if part != "dropout"]))]["counts"]
+    counts = backward_builds[",".join(map(str, variant))]["counts"]
+    assert (counts["STS"], counts["LDS"]) == (plain["STS"], plain["LDS"])
+    assert counts["IMAD.WIDE.U32"] > plain["IMAD.WIDE.U32"]
 
 
 def _params(**options):

@@ -139,7 +139,7 @@ def test_packed_sequences_with_every_feature(dtype):
     grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
     # The pattern the kernels kept: rows (head, packed token), keys counted from each sequence's start.
     rng.manual_seed(11)
-    keep = dropout_keep_mask(ops.dropout_seed(rng, q.device), q_heads * q.shape[0], k.shape[0], 0.2)
+    keep = dropout_keep_mask(ops.dropout_seed(rng, q.device), q_heads * q.shape[0], k.shape[0], 0.2, cu_seqlens_q=cu_q)
     keep = keep.view(q_heads, q.shape[0], k.shape[0])
     dq, dk, dv, dsinks = grads
     dsinks_expected = torch.zeros(q_heads, dtype=torch.float64)
@@ -171,7 +171,7 @@ def dropout_pattern(generator_seed, shape, dropout_p, device="cpu"):
     """The (B, Hq, Sq, Sk) pattern of a dense call whose generator was seeded with ``generator_seed``."""
     batch, q_heads, seqlen_q, seqlen_k = shape
     key = ops.dropout_seed(torch.Generator(device).manual_seed(generator_seed), device)
-    return dropout_keep_mask(key, batch * q_heads * seqlen_q, seqlen_k, dropout_p).view(shape)
+    return dropout_keep_mask(key, batch * q_heads * seqlen_q, seqlen_k, dropout_p, seqlen_q=seqlen_q).view(shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -258,12 +258,15 @@ def counter_words(seed: int, counters):
     return philox_reference(counters & WORD, counters >> 32, zeros, zeros, seed & WORD, seed >> 32)
 
 
-def keep_reference(seed: int, row_counters, keys, threshold: int):
-    """Key j of a row keeps its probability where half j % 2 of word (j // 8) % 4 of counter
-    ``row_counter + 4 · (j // 32) + (j % 8) // 2`` is >= threshold."""
+def keep_reference(seed: int, rng_row: int, rows, keys, threshold: int):
+    """Key j of row i (counted within its sequence) keeps its probability where half j % 2 of word
+    2 · ((i // 8) % 2) + (j // 8) % 2 of the counter with low word ``4 · (j // 16) + (j % 8) // 2``
+    and high word ``rng_row + i - (i & 8)`` is >= threshold."""
+    rows = np.asarray(rows, dtype=np.uint64)[:, None]
     keys = np.asarray(keys, dtype=np.uint64)[None, :]
-    counters = np.asarray(row_counters, dtype=np.uint64)[:, None] + 4 * (keys // 32) + (keys % 8) // 2
-    words = np.choose(((keys // 8) % 4).astype(np.intp), counter_words(seed, counters))
+    counters = ((np.uint64(rng_row) + rows - (rows & np.uint64(8))) << np.uint64(32)) | (4 * (keys // 16) + (keys % 8) // 2)
+    word = 2 * ((rows // 8) % 2) + (keys // 8) % 2
+    words = np.choose(np.broadcast_to(word, counters.shape).astype(np.intp), counter_words(seed, counters))
     return (words >> (16 * (keys % 2))) & 0xFFFF >= threshold
 
 
@@ -281,50 +284,92 @@ def test_philox_reference_gives_the_known_answers():
 @pytest.mark.parametrize("dropout_p", [0.3, 0.5 / 2 ** 16 + 1e-9, 1 - 1e-6])
 def test_dropout_pattern_is_philox_of_its_documented_counters(dropout_p):
     key = ops.dropout_seed(torch.Generator().manual_seed(11), "cpu")
-    rows, keys = 37, 200  # counters of 4 · ceil(200 / 32) = 28 per row
-    expected = keep_reference(int(key.item()), np.arange(rows) * 28, np.arange(keys), dropout_threshold(dropout_p))
-    np.testing.assert_array_equal(dropout_keep_mask(key, rows, keys, dropout_p).numpy(), expected)
+    seqlen_q, keys = 37, 200
+    keep = dropout_keep_mask(key, 2 * seqlen_q, keys, dropout_p, seqlen_q=seqlen_q).view(2, seqlen_q, keys)
+    for sequence in range(2):
+        expected = keep_reference(int(key.item()), sequence * seqlen_q, np.arange(seqlen_q), np.arange(keys),
+                                  dropout_threshold(dropout_p))
+        np.testing.assert_array_equal(keep[sequence].numpy(), expected)
 
 
 @triton.jit
-def _keep_from_counters(RngState, Keep, first_counter, rng_groups, threshold,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _keep_from_counters(RngState, Keep, rng_row, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.arange(0, BLOCK_M)
     keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_counters = first_counter + rows.to(tl.int64) * rng_groups
-    keep = dropout_keep(tl.load(RngState), row_counters, tl.program_id(0) * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
+    keep = dropout_keep(tl.load(RngState), rng_row, rows, tl.program_id(0) * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
     tl.store(Keep + rows[:, None] * (tl.num_programs(0) * BLOCK_N) + keys[None, :], keep)
 
 
-def test_dropout_counters_past_32_bits():
-    # Calls with B · H · Sq · 4 · ceil(Sk / 32) >= 2^32 counters: c1 holds the counter's high word.
+def test_dropout_rows_use_the_whole_high_word():
+    # Calls of 2^31 rows and more (B · H · Sq): the row is the counter's high word, unsigned.
     key = ops.dropout_seed(torch.Generator().manual_seed(12), "cpu")
-    first_counter, rng_groups = 2 ** 32 - 40, 12  # rows on both sides of 2^32, and far past it
-    for start in (first_counter, 3 * 2 ** 40 + 7):
-        keep = torch.empty(16, 96, dtype=torch.bool)
-        _keep_from_counters[(3,)](key, keep, start, rng_groups, 20000, BLOCK_M=16, BLOCK_N=32)
-        expected = keep_reference(int(key.item()), start + np.arange(16) * rng_groups, np.arange(96), 20000)
+    for rng_row in (2 ** 31 - 16, 2 ** 32 - 40):
+        keep = torch.empty(32, 96, dtype=torch.bool)
+        _keep_from_counters[(3,)](key, keep, rng_row, 20000, BLOCK_M=32, BLOCK_N=32)
+        expected = keep_reference(int(key.item()), rng_row, np.arange(32), np.arange(96), 20000)
         np.testing.assert_array_equal(keep.numpy(), expected)
 
 
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_gluon_forward_draw_tiles_give_the_same_pattern(block_n):
     """The steps of fmha.backends.gluon_sm90.scores.dropped in NumPy (``gl.join`` stacks on a new
-    last axis): a [rows, block_n // 8] tile of counters, whose four words expand to the keys of a
-    block, and the two bounds that compare the low and the high halves."""
+    last axis): a [32, block_n // 4] tile of counters, one per (row pair, four keys), whose four
+    words expand to a consumer's 64 rows by block_n keys, and the two bounds that compare the low
+    and the high halves."""
     seed = int(ops.dropout_seed(torch.Generator().manual_seed(13), "cpu").item())
-    rows, keys_per_row = 64, 1000
-    row_counters = (np.arange(rows, dtype=np.uint64) + 5000) * (4 * -(-keys_per_row // 32))
+    first_row, rng_row, keys_per_row = 128, 5000, 1000
+    pairs = np.arange(32, dtype=np.uint64)
+    row_words = np.uint64(rng_row + first_row) + 16 * (pairs // 8) + pairs % 8
     for threshold in (1, 2, 19661, 65535, 65536):
         low_bound, high_bound = threshold - 1, (threshold - 1) * 65536 + 0xFFFF
         for key_start in range(0, keys_per_row, block_n):
-            counters = row_counters[:, None] + np.uint64(key_start // 8) + np.arange(block_n // 8, dtype=np.uint64)
-            word0, word1, word2, word3 = counter_words(seed, counters)
+            groups = np.uint64(key_start // 4) + np.arange(block_n // 4, dtype=np.uint64)
+            word0, word1, word2, word3 = counter_words(seed, (row_words[:, None] << np.uint64(32)) | groups[None, :])
             words = np.stack([np.stack([word0, word1], -1), np.stack([word2, word3], -1)], -1)
             keep = np.stack([(words & 0xFFFF) > low_bound, words > high_bound], -1)
-            keep = keep.reshape(rows, block_n // 32, 4, 2, 2, 2).transpose(0, 1, 4, 3, 2, 5).reshape(rows, block_n)
-            expected = keep_reference(seed, row_counters, np.arange(key_start, key_start + block_n), threshold)
+            keep = keep.reshape(4, 8, block_n // 16, 4, 2, 2, 2).transpose(0, 5, 1, 2, 4, 3, 6).reshape(64, block_n)
+            expected = keep_reference(seed, rng_row, np.arange(first_row, first_row + 64),
+                                      np.arange(key_start, key_start + block_n), threshold)
             np.testing.assert_array_equal(keep, expected)
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_gluon_backward_draw_tiles_give_the_same_pattern(block_m):
+    """The steps of fmha.backends.gluon_sm90.scores.transposed_keep_bits and unpack_keep in NumPy: a
+    consumer's 64 keys as rows, a [32, block_m // 2] tile of counters, one per (key without bit 3,
+    query pair), each key taking its half of the words by a shift, four flags to a nibble, the
+    pairs a thread holds in registers folded into one word, and the way back to the [64, block_m]
+    tile of Sᵀ."""
+    seed = int(ops.dropout_seed(torch.Generator().manual_seed(14), "cpu").item())
+    first_key, rng_row, seqlen_q = 192, 300, 700
+    key_rows = np.arange(32, dtype=np.uint64)  # key bits 0-2 and 4-5 of the consumer's 64 keys
+    key_groups = np.uint64(first_key // 4) + 4 * (key_rows // 8) + (key_rows % 8) // 2
+    shifts = ((key_rows & np.uint64(1)) ^ np.uint64(1)) * np.uint64(16)
+    pairs = np.arange(block_m // 2, dtype=np.uint64)
+    for threshold in (1, 2, 19661, 65535, 65536):
+        high_bound = (threshold - 1) * 65536 + 0xFFFF
+        for first_row in range(0, seqlen_q, block_m):
+            row_words = np.uint64(rng_row + first_row) + 16 * (pairs // 8) + pairs % 8
+            words = counter_words(seed, (row_words[None, :] << np.uint64(32)) | key_groups[:, None])
+            nibbles = sum(((((word << shifts[:, None]) & np.uint64(WORD)) > high_bound).astype(np.uint64) << np.uint64(w))
+                          for w, word in enumerate(words))  # [32, pairs]
+            split = nibbles.reshape(32, block_m // 16, 4, 2)
+            bits = (split[..., 0] | (split[..., 1] << np.uint64(4))).transpose(0, 2, 1)  # [32, 4, block_m // 16]
+            for width in (8, 16, 32)[:(block_m // 16).bit_length() - 1]:
+                halves = bits.reshape(32, 4, bits.shape[2] // 2, 2)
+                bits = halves[..., 0] | (halves[..., 1] << np.uint64(width))
+            assert bits.shape == (32, 4, 1) and bits.max() < 2 ** (block_m // 2)
+            for width in (32, 16, 8)[3 - ((block_m // 16).bit_length() - 1):]:  # unpack_keep
+                mask = np.uint64((1 << width) - 1)
+                bits = np.stack([bits & mask, bits >> np.uint64(width)], -1).reshape(32, 4, bits.shape[2] * 2)
+            bits = bits.transpose(0, 2, 1)
+            nibbles = np.stack([bits & np.uint64(0xF), bits >> np.uint64(4)], -1).reshape(32, block_m // 2)
+            flags = [(nibbles >> np.uint64(w)) & np.uint64(1) != 0 for w in range(4)]
+            keep = np.stack([np.stack(flags[0:2], -1), np.stack(flags[2:4], -1)], -1)  # [key, pair, kb3, rb]
+            keep = keep.reshape(4, 8, block_m // 16, 8, 2, 2).transpose(0, 4, 1, 2, 5, 3).reshape(64, block_m)
+            expected = keep_reference(seed, rng_row, np.arange(first_row, first_row + block_m),
+                                      np.arange(first_key, first_key + 64), threshold)
+            np.testing.assert_array_equal(keep, expected.T)
 
 
 def test_dropout_with_wide_key_tiles_matches_float64():
@@ -515,5 +560,5 @@ def test_sdpa_dropout_draws_from_the_default_generator():
     torch.manual_seed(3)
     out = fmha.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.5)
     torch.manual_seed(3)
-    keep = dropout_keep_mask(ops.dropout_seed(None, q.device), 2 * 20, 20, 0.5).view(1, 2, 20, 20)
+    keep = dropout_keep_mask(ops.dropout_seed(None, q.device), 2 * 20, 20, 0.5, seqlen_q=20).view(1, 2, 20, 20)
     assert_close_to_reference(out, q, k, v, attn_mask=mask, dropout_p=0.5, keep=keep)

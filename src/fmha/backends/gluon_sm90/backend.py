@@ -96,8 +96,6 @@ class HopperBackend:
             return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
-        if options.dropout_p > 0:  # the portable backward regenerates the Gluon forward's pattern
-            return "dropout is not built in the Gluon backward yet"
         reason = self.refusal(params, *tensors[1:4])
         if reason is not None:
             return reason

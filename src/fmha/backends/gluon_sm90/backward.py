@@ -37,7 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ...compat import cta_barrier, tma_atomic_add, tma_load, tma_store
 from .forward import CONSUMER_WARPS, _store_rows, accumulator_layout, operand_layout
 from .masking import query_blocks, sequence_span, visible
-from .scores import modified_scores
+from .scores import (dropout_key, modified_scores, pair_rows, transposed_draw_layout, transposed_keep_bits,
+                     unpack_keep)
 from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -190,14 +191,18 @@ def _query_steps(
     k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
     q_ready, q_free, ds_ready, ds_free, dq_desc,
     batch, head, keys, position_base, m_first, m_begin, m_stop, q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+    dropout, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
     DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+    DROPOUT: gl.constexpr,
 ):
     """Query blocks [m_begin, m_stop) of one head; the block at row m sits at ring position
     position_base + (m - m_first) / BLOCK_M. Packed sequences: rows past the sequence's end (the next
     sequence's tokens) take the mask, and dQ's rows start at q_start. ``mods``: ``(softcap_scale, slope, position_offset,
-    key_positions)``, the score features' values for this head (position_offset = Sk - Sq)."""
+    key_positions)``, the score features' values for this head (position_offset = Sk - Sq); ``dropout``:
+    ``(RngState, rng_row, high_bound, dropout_scale, first_key, key_rows)`` (DROPOUT: the
+    forward's pattern, :func:`fmha.backends.gluon_sm90.scores.transposed_keep`; P·dO and dP take the
+    kept scores, and dV the factor ``dropout_scale`` at its store)."""
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -217,6 +222,13 @@ def _query_steps(
     for m in range(m_begin, m_stop, BLOCK_M):
         position = position_base + (m - m_first) // BLOCK_M
         slot = position % STAGES
+        if DROPOUT:  # the step's flags, drawn while only dK and dV hold registers
+            RngState, rng_row, high_bound, _, first_key, key_rows = dropout
+            # The seed is loaded every step: the key's round constants derived from it once would
+            # hold 20 registers through the loop.
+            rng_key = dropout_key(RngState)
+            row_words = pair_rows(m, rng_row, BLOCK_M // 2, gl.SliceLayout(0, transposed_draw_layout(BLOCK_M)))
+            keep_bits = transposed_keep_bits(first_key, key_rows, row_words, rng_key, high_bound, BLOCK_M)
         mbarrier.wait(q_ready.index(slot), (position // STAGES) & 1)
         q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -238,11 +250,21 @@ def _query_steps(
             if VARLEN:
                 seen = seen & (rows[None, :] < seqlen_q)
             probs_t = gl.where(seen, probs_t, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(probs_t.to(dtype), a_layout), do, dv, is_async=True)
+        if DROPOUT:
+            # The dropped probabilities carry a minus sign until dS: no tile of flags stays live.
+            keep = gl.convert_layout(unpack_keep(keep_bits, BLOCK_M), s_layout, assert_trivial=True)
+            probs_t = gl.where(keep, probs_t, -probs_t)
+            dv = warpgroup_mma(gl.convert_layout(gl.maximum(probs_t, 0.0).to(dtype), a_layout), do, dv,
+                               is_async=True)
+        else:
+            dv = warpgroup_mma(gl.convert_layout(probs_t.to(dtype), a_layout), do, dv, is_async=True)
         if SOFTCAP:  # dS takes d(softcap · tanh(s / softcap)) / ds: fold it into P now, and keep one tile
             probs_t = probs_t * (1.0 - capped_t * capped_t)
         dprobs_t = warpgroup_mma_wait(1, deps=(dprobs_t,))
         delta = delta_smem.index(slot).load(row_layout)
+        if DROPOUT:
+            dprobs_t = gl.where(probs_t > 0.0, dprobs_t * dropout[3], 0.0)
+            probs_t = gl.abs(probs_t)
         dscores_t = (probs_t * (dprobs_t - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dscores_t, a_layout), q, dk, is_async=True)
         if COMPUTE_DQ:
@@ -294,12 +316,16 @@ def _consumer_partition(
     tile_slots,  # with DYNAMIC: where the load warp hands out tiles
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
      q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
      qk_scale, score_args, num_tiles, sequences, packed) = args
     BLOCK_N: gl.constexpr = k_smem.shape[2]
+    rng = 0
+    if DROPOUT:  # the Philox seed, the bound a kept draw passes, and the kept scores' factor
+        RngState, threshold, dropout_scale = score_args[4], score_args[5], score_args[6]
+        rng = (RngState, (threshold.to(gl.uint32) - 1) * 65536 + 0xFFFF, dropout_scale, num_kv_heads * group_size)
     if DYNAMIC:
         handed = 0
         ring_position = 0
@@ -313,8 +339,8 @@ def _consumer_partition(
                     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready,
                     kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale,
                     qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k,
-                    seq_lo, seq_hi, sequence, ring_position, tile_count, CONSUMER, CONSUMERS, BLOCK_M, STAGES,
-                    HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+                    seq_lo, seq_hi, sequence, ring_position, tile_count, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
+                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
                 tile_count += 1
             handed += 1
             tile = take_tile(tile_slots, handed)
@@ -325,8 +351,8 @@ def _consumer_partition(
             _consumer_tile(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging,
                            kv_ready, kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size,
                            scale, qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q,
-                           k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, CONSUMER, CONSUMERS, BLOCK_M, STAGES,
-                           HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+                           k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
+                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
     tma.store_wait(0)
 
 
@@ -335,14 +361,16 @@ def _consumer_tile(
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
     q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale, qk_scale, score_args, packed,
     batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence, ring_position, tile_count,
-    CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
     query block and query head that sees them, then their stores. Its query blocks sit at ring
-    positions from ``ring_position`` on; returns the position after them."""
-    AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args
+    positions from ``ring_position`` on; returns the position after them. ``rng`` (DROPOUT):
+    ``(RngState, high_bound, dropout_scale, num_q_heads)``; ``rows_per_head``: Sq, or the
+    packed total (the dropout counters' numbering of rows)."""
+    AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args[0], score_args[1], score_args[2], score_args[3]
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     dtype: gl.constexpr = k_smem.dtype
@@ -368,23 +396,30 @@ def _consumer_tile(
         if ALIBI:
             slope = gl.load(AlibiSlopes + sequence.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
         mods = (softcap_scale, slope, seqlen_k - seqlen_q, key_positions)
+        dropout = 0
+        if DROPOUT:  # rows numbered as the forward numbers them: (batch, head, row), or (head, packed row)
+            rng_row = (batch * rng[3] + head).to(gl.int64) * rows_per_head + q_start
+            key_rows = gl.arange(0, 32, layout=gl.SliceLayout(1, transposed_draw_layout(BLOCK_M)))
+            dropout = (rng[0], rng_row, rng[1], rng[2], own_first_key, key_rows)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, q_start,
-            seqlen_q, seqlen_k, lo, hi, qk_scale, mods, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT,
-            COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+            seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, q_start,
-            seqlen_q, seqlen_k, lo, hi, qk_scale, mods, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT, HAS_RIGHT,
-            COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+            seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT,
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, q_start,
-            seqlen_q, seqlen_k, lo, hi, qk_scale, mods, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT, HAS_RIGHT,
-            COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN)
+            seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
     mbarrier.arrive(kv_free, count=1)  # every product that reads K and V has completed
     own_staging = staging.index(CONSUMER)
+    if DROPOUT:  # P·dO summed the kept probabilities
+        dv = dv * rng[2]
     if VARLEN and own_first_key + CONSUMER_KEYS > seqlen_k:
         # The block ends past its sequence: its keys only (the next sequence's rows are another program's).
         DK, DV, stride_kn, stride_kh = packed[0], packed[1], packed[2], packed[3]
@@ -399,13 +434,13 @@ def _consumer_tile(
 
 @gluon.jit
 def attention_backward_hopper_kernel(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, AlibiSlopes,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, AlibiSlopes, RngState,
     CuSeqlensQ, CuSeqlensK, Tiles, DK, DV, Lse2, Delta, TileCounter, stride_kn, stride_kh,
     stride_ab, stride_ah, padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles,
-    scale, qk_scale, softcap_scale,
+    dropout_threshold, scale, qk_scale, softcap_scale, dropout_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr,
-    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
+    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """One tile per (batch, KV head, key block of 64 x CONSUMERS keys), num_tiles of them: one
     program per tile, or with DYNAMIC persistent programs that take them from the int32 counter at
@@ -417,7 +452,9 @@ def attention_backward_hopper_kernel(
 
     Score features as in the forward: SOFTCAP (``qk_scale`` is ``scale / softcap``, and dS takes the
     factor ``1 - tanh²``), ALIBI (slopes through stride_ab, stride_ah). The LSE counts the sinks, so
-    the kernel never sees them (their gradient is the launcher's).
+    the kernel never sees them (their gradient is the launcher's). DROPOUT: the forward's pattern
+    for the int64 Philox seed at RngState (a draw >= dropout_threshold keeps its score, scaled by
+    dropout_scale).
 
     Packed sequences (VARLEN): the descriptors view (total, H, D) tensors as (1, H, total, D);
     seqlen_q and seqlen_k are the totals; programs take key blocks from the list in ``Tiles``; DK
@@ -457,7 +494,8 @@ def attention_backward_hopper_kernel(
 
     shared = (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free,
               q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q,
-              seqlen_k, lo, hi, scale, qk_scale, (AlibiSlopes, stride_ab, stride_ah, softcap_scale), num_tiles)
+              seqlen_k, lo, hi, scale, qk_scale,
+              (AlibiSlopes, stride_ab, stride_ah, softcap_scale, RngState, dropout_threshold, dropout_scale), num_tiles)
     load_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                  k_smem, v_smem, kv_ready, kv_free, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q,
                  seqlen_q, seqlen_k, lo, hi, num_tiles)
@@ -472,14 +510,14 @@ def attention_backward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DYNAMIC)),
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DYNAMIC)),
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DYNAMIC)),
+                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

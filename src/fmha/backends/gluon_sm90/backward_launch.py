@@ -91,7 +91,7 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                            features: ScoreFeatures = NO_FEATURES, varlen: bool = False):
     """The Gluon backward's compile source for one static configuration, and its constexpr values
     (``features.sinks`` changes nothing in the kernel: the LSE counts them; ``varlen``: packed
-    sequences)."""
+    sequences; ``features.dropout``: the forward's pattern, regenerated)."""
     element = "bf16" if dtype == torch.bfloat16 else "fp16"
 
     def descriptor_type(rows: int) -> str:
@@ -101,16 +101,19 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
     constants = {"BLOCK_M": schedule.block_m, "STAGES": schedule.stages, "HAS_LEFT": has_left,
                  "HAS_RIGHT": has_right, "CONSUMERS": schedule.consumers, "COMPUTE_DQ": compute_dq,
                  "DQ_ALTERNATE": schedule.dq_alternate(head_dim), "SOFTCAP": features.softcap,
-                 "ALIBI": features.alibi, "VARLEN": varlen, "DYNAMIC": schedule.dynamic}
+                 "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
+                 "DYNAMIC": schedule.dynamic}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
                  "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
                  "dq_desc": f"tensordesc<fp32[1,1,{dq_block[0]},{dq_block[1]}],{_accumulator_layout(*dq_block)!r}>",
                  "lse_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>",
                  "delta_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>", "AlibiSlopes": "*fp32",
+                 "RngState": "*i64",
                  "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32", "DK": f"*{element}", "DV": f"*{element}",
                  "Lse2": "*fp32", "Delta": "*fp32", "TileCounter": "*i32",
-                 **dict.fromkeys(_INTEGER_ARGS, "i32"), "scale": "fp32", "qk_scale": "fp32", "softcap_scale": "fp32",
+                 **dict.fromkeys(_INTEGER_ARGS, "i32"), "dropout_threshold": "i32", "scale": "fp32", "qk_scale": "fp32",
+                 "softcap_scale": "fp32", "dropout_scale": "fp32",
                  **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_backward_hopper_kernel.arg_names
     return GluonASTSource(attention_backward_hopper_kernel, signature, constants), tuple(constants.values())
@@ -189,9 +192,10 @@ class HopperBackward:
         self.padded_q = -(-self.seqlen_q // 128) * 128
         self.row_launches = _row_launches(params.head_dim)
         self.rows_grid = (self.padded_q // ROWS_BLOCK, self.batch * params.q_heads)
+        threshold, dropout_factor = features.dropout_scalars(params.options)
         self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, self.seqlen_q,
-                         seqlen_k, lo, hi, num_tiles, params.options.scale, *features.scalars(params.options),
-                         *constants)
+                         seqlen_k, lo, hi, num_tiles, threshold, params.options.scale,
+                         *features.scalars(params.options), dropout_factor, *constants)
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
                  scores=None) -> None:
@@ -218,13 +222,14 @@ class HopperBackward:
             launches.sinks_grad((p.q_heads,), q.device, lse2, delta, scores.sinks, scores.sinks_grad,
                                 p.q_heads * self.padded_q, self.padded_q, scores.sinks.stride(0), batch, seqlen_q)
         alibi, _, (stride_ab, stride_ah, _) = score_arguments(scores, lse2)
+        rng_state = lse2 if scores is None or scores.rng_state is None else scores.rng_state
         accum = dq_accum.view(batch, p.q_heads, self.padded_q, head_dim)
         descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, dk, dv, accum))
         row_stats = (_HostDescriptor(lse2, [rows], [1]), _HostDescriptor(delta, [rows], [1]))
         # A counter per call: launches on other streams cannot share it.
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.schedule.dynamic else lse2
         run_compiled(self.compiled, self.grid, self.device,
-                     (*descriptors, *row_stats, alibi, *sequences, dk, dv, lse2, delta, counter, *packed_strides,
+                     (*descriptors, *row_stats, alibi, rng_state, *sequences, dk, dv, lse2, delta, counter, *packed_strides,
                       stride_ab, stride_ah, *self.integers))
         launches.finish_dq((-(-seqlen_q // ROWS_BLOCK), batch * p.q_heads), q.device, dq_accum, dq, *dq.stride(),
                            p.q_heads, seqlen_q, self.padded_q, p.options.scale)

@@ -56,7 +56,7 @@ from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from . import slot_barriers
 from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 from .masking import key_blocks, sequence_span, visible
-from .scores import ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, alibi_form, draw_layout, dropout_key, dropped, tanh_approx
+from .scores import ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, alibi_form, draw_layout, dropout_key, dropped, pair_rows, tanh_approx
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -464,16 +464,15 @@ def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, dropout, AL
 
 
 @gluon.jit
-def _tile_dropout(rows, rng_row, rng_groups, rng_key, threshold, BLOCK_N: gl.constexpr):
-    """``(key, row_counters, bounds)`` of a tile: the Philox key, each row's first counter and the
-    bounds that keep a draw (:func:`fmha.backends.gluon_sm90.scores.dropped`; ``threshold`` >= 1).
-    Counters are numbered as the portable kernels number them (:func:`fmha.backends.triton.scores.score_mods`):
-    row i of the tile's (batch, head) is row ``rng_row + i`` of the call, whose counters start at
-    ``(rng_row + i) · rng_groups``."""
-    rows = gl.convert_layout(rows, gl.SliceLayout(1, draw_layout(BLOCK_N)), assert_trivial=True)
-    row_counters = (rng_row + rows.to(gl.int64)) * rng_groups
+def _tile_dropout(first_row, rng_row, rng_key, threshold, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``(key, row_words, bounds)`` of a consumer's ROWS rows from ``first_row``: the Philox key,
+    each row pair's counter high word and the bounds that keep a draw
+    (:func:`fmha.backends.gluon_sm90.scores.dropped`; ``threshold`` >= 1). Counters are numbered as
+    the portable kernels number them (:func:`fmha.backends.triton.scores.score_mods`): row i of the
+    tile's (batch, head) is row ``rng_row + i`` of the call."""
+    row_words = pair_rows(first_row, rng_row, ROWS // 2, gl.SliceLayout(1, draw_layout(BLOCK_N)))
     threshold = threshold.to(gl.uint32)
-    return rng_key, row_counters, (threshold - 1, (threshold - 1) * 65536 + 0xFFFF)
+    return rng_key, row_words, (threshold - 1, (threshold - 1) * 65536 + 0xFFFF)
 
 
 @gluon.jit
@@ -580,7 +579,7 @@ def _consumer_tile(
         (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args) = shared
         sequences = None
-    rng_key, rng_groups = tile_args
+    rng_key = tile_args
     dtype: gl.constexpr = o_desc.dtype
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
     s_layout: gl.constexpr = accumulator_layout(BLOCK_N)
@@ -601,7 +600,7 @@ def _consumer_tile(
         dropout = 0
         if DROPOUT:  # counter rows as the portable kernels number them: (batch, head, row), or (head, packed row)
             rng_row = (batch * num_q_heads + head).to(gl.int64) * seqlen_q + q_start
-            dropout = _tile_dropout(rows, rng_row, rng_groups, rng_key, score_args[7], BLOCK_N)
+            dropout = _tile_dropout(row0, rng_row, rng_key, score_args[7], ROWS, BLOCK_N)
         mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, dropout, ALIBI)
         if ALIBI == ALIBI_CAUSAL_MMA:
             mods = mods + (_alibi_key_terms(o_smem.index(CONSUMER), mods[1], qk_scale, BLOCK_N),)
@@ -704,9 +703,9 @@ def _consumer_partition(
     DYNAMIC: gl.constexpr,
 ):
     num_tiles, seqlen_k, score_args = shared[10], shared[15], shared[19]
-    tile_args = (0, 0)
-    if DROPOUT:  # the call's Philox key; every row's keys (Sk, or the packed total) take four counters per 32
-        tile_args = (dropout_key(score_args[6]), (gl.cdiv(seqlen_k, 32) * 4).to(gl.int64))
+    tile_args = 0
+    if DROPOUT:  # the call's Philox key
+        tile_args = dropout_key(score_args[6])
     ring_position = 0
     tile_count = 0
     if DYNAMIC:  # tiles as the load warp hands them out, until it hands out num_tiles

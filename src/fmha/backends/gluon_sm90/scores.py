@@ -15,10 +15,12 @@ tensor cores add the key term (one more k-step of Q·Kᵀ, ALIBI_CAUSAL_MMA), an
 shift is left for the softmax.
 
 Dropout draws the portable kernels' bits (:func:`fmha.backends.triton.scores.dropout_keep`): Philox-4x32-10
-keyed by the call's seed, key j of a row taking half j % 2 of word (j // 8) % 4 of counter
-``row_counter + 4 · (j // 32) + (j % 8) // 2``. Those eight keys are the columns one thread holds
-in a row of the wgmma accumulator, so each thread runs Philox once per counter of its own columns
-(:func:`draw_layout`) and the draws land where the probabilities are, with no exchange.
+keyed by the call's seed, one counter per two rows (i and i + 8) by four keys (j, j + 1, j + 8,
+j + 9). Those eight scores sit in one thread of a wgmma accumulator, so the forward runs Philox
+once per counter of its own scores (:func:`draw_layout`) and the draws land where the probabilities
+are, with no exchange. The backward's tiles hold keys as rows (Sᵀ): a thread there holds four of a
+counter's scores (two keys by two rows), and the thread holding the key beside them computes the
+same counter for the other four (:func:`transposed_draw_layout`).
 """
 
 from triton.experimental import gluon
@@ -83,16 +85,27 @@ PHILOX_KEY_B: gl.constexpr = gl.constexpr(0xBB67AE85)
 
 @gluon.constexpr_function
 def draw_layout(columns):
-    """The layout of a [64, columns // 8] tile of counters, one per (row, 8 keys) of a consumer
+    """The layout of a [32, columns // 4] tile of counters, one per (row pair, 4 keys) of a consumer
     warpgroup's [64, columns] accumulator (``NVMMADistributedLayout`` version 3: warp w holds rows
     16w..16w+15, lane t rows t // 4 and t // 4 + 8 of them, and columns 2 · (t % 4) + {0, 1} + 8i).
-    Column c is counter c of a key block, which draws for keys 32 · (c // 4) + 2 · (c % 4) + {0, 1}
-    + {0, 8, 16, 24}: c % 4 sits in the lanes as the accumulator's column bits 1 and 2 do, c // 4 in
-    the registers (with row 8) as its column bits 5 and up, so each thread holds its columns' counters."""
-    spans = columns // 32
-    registers = [[8, 0]] + [[0, 4 << bit] for bit in range(spans.bit_length() - 1)]
+    Row p is the pair of rows 16 · (p // 8) + p % 8 and 8 below it; column c the keys 16 · (c // 4)
+    + 2 · (c % 4) + {0, 1, 8, 9}: p // 8 and p % 8 sit in the warps and lanes as the rows do, c % 4
+    in the lanes and c // 4 in the registers as the columns' bits 1-2 and 4 up, so each thread holds
+    its scores' counters."""
+    registers = [[0, 4 << bit] for bit in range((columns // 16).bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, columns // 8])
+                                      warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, columns // 4])
+
+
+@gluon.constexpr_function
+def transposed_draw_layout(rows):
+    """The layout of a [32, rows // 2] tile of counters for the backward's [64 keys, rows] accumulator
+    (Sᵀ; the accumulator layout of :func:`draw_layout`, keys in place of rows). Row r is key
+    16 · (r // 8) + r % 8 (and 8 below it: the same counter), column p the query pair 16 · (p // 8)
+    + p % 8 and 8 below it; lanes t and t ^ 4 (keys 2k and 2k + 1) compute the same counters."""
+    registers = [[0, 1]] + [[0, 8 << bit] for bit in range((rows // 16).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, rows // 2])
 
 
 @gluon.constexpr_function
@@ -132,26 +145,97 @@ def dropout_key(RngState):
 
 
 @gluon.jit
+def pair_rows(first_row, rng_row, PAIRS: gl.constexpr, layout: gl.constexpr):
+    """uint32 [PAIRS] (``layout``, a slice of a draw layout): the counters' high word for each row
+    pair of the rows from ``first_row`` (a multiple of 16): pair p holds rows 16 · (p // 8) + p % 8
+    and 8 below, and its word is ``rng_row`` plus the pair's first row: that row's number in the call
+    (:func:`fmha.backends.triton.scores.dropout_keep`)."""
+    pairs = gl.arange(0, PAIRS, layout=layout)
+    return (rng_row + first_row + 16 * (pairs // 8) + pairs % 8).to(gl.uint32)
+
+
+@gluon.jit
 def dropped(probs, key_start, dropout):
-    """``probs`` ([64, BLOCK_N] of keys key_start.., a multiple of 32, in the wgmma accumulator
-    layout) with the dropped ones zeroed. ``dropout``: ``(key, row_counters, bounds)``, the Philox
-    key, each row's first counter (int64, ``gl.SliceLayout(1, draw_layout(BLOCK_N))``) and
+    """``probs`` ([64, BLOCK_N] of keys key_start.., a multiple of 16, in the wgmma accumulator
+    layout) with the dropped ones zeroed. ``dropout``: ``(key, row_words, bounds)``, the Philox
+    key, each row pair's counter high word (:func:`pair_rows`, ``gl.SliceLayout(1, draw_layout(BLOCK_N))``) and
     ``(threshold - 1, 2^16 · threshold - 1)`` (uint32, 1 <= threshold <= 2^16): a draw is kept
     where it is >= threshold, the high half compared as the whole word (no shift).
 
-    The 16-bit draw of key j is half j % 2 of word (j // 8) % 4 of counter ``row_counter + 4 · (j // 32)
-    + (j % 8) // 2``: column c of the [64, BLOCK_N // 8] counter tile in :func:`draw_layout` is
-    counter c of the block, and its eight draws are the thread's own columns."""
+    Key j of row i takes half j % 2 of word 2 · ((i // 8) % 2) + (j // 8) % 2 of the counter (low
+    word ``4 · (j // 16) + (j % 8) // 2``, high word the pair's row): column c of the [32, BLOCK_N // 4]
+    counter tile in :func:`draw_layout` is the block's group c, and its eight draws are the thread's
+    own scores."""
     ROWS: gl.constexpr = probs.shape[0]
     BLOCK_N: gl.constexpr = probs.shape[1]
-    key, row_counters, bounds = dropout
+    key, row_words, bounds = dropout
     low_bound, high_bound = bounds
-    columns = key_start // 8 + gl.arange(0, BLOCK_N // 8, layout=gl.SliceLayout(0, draw_layout(BLOCK_N)))
-    counters = row_counters[:, None] + columns[None, :]
-    word0, word1, word2, word3 = philox(counters.to(gl.uint32), (counters >> 32).to(gl.uint32), key[0], key[1])
-    words = gl.join(gl.join(word0, word1), gl.join(word2, word3))  # [M, 4 · span + lane, word % 2, word // 2]
+    groups = (key_start // 4 + gl.arange(0, BLOCK_N // 4, layout=gl.SliceLayout(0, draw_layout(BLOCK_N))))
+    groups, rows = gl.broadcast(groups.to(gl.uint32)[None, :], row_words[:, None])
+    word0, word1, word2, word3 = philox(groups, rows, key[0], key[1])
+    words = gl.join(gl.join(word0, word1), gl.join(word2, word3))  # [pair, group, word % 2, word // 2]
     keep = gl.join((words & 0xFFFF) > low_bound, words > high_bound)  # [..., half]
-    # to key 32 · span + 8 · word + 2 · lane + half: the accumulator's own columns, no data moves
-    keep = keep.reshape([ROWS, BLOCK_N // 32, 4, 2, 2, 2]).permute((0, 1, 4, 3, 2, 5)).reshape([ROWS, BLOCK_N])
-    keep = gl.convert_layout(keep, probs.type.layout, assert_trivial=True)
+    # to row 16 · (pair // 8) + 8 · (word // 2) + pair % 8, key 16 · (group // 4) + 8 · (word % 2) + 2 · (group % 4)
+    # + half: the accumulator's own scores, no data moves
+    keep = keep.reshape([ROWS // 16, 8, BLOCK_N // 16, 4, 2, 2, 2]).permute((0, 5, 1, 2, 4, 3, 6))
+    keep = gl.convert_layout(keep.reshape([ROWS, BLOCK_N]), probs.type.layout, assert_trivial=True)
     return gl.where(keep, probs, 0.0)
+
+
+@gluon.jit
+def transposed_keep_bits(first_key, key_rows, row_words, key, high_bound, ROWS: gl.constexpr):
+    """Which scores of Sᵀ (64 keys from ``first_key``, a multiple of 16, by ROWS query rows) survive
+    dropout, the pattern of :func:`dropped`, as one word of flags per thread ([32, 4, 1]; uint32,
+    or uint64 for 128 rows): the backward draws them before its products, when few registers are
+    live, and :func:`unpack_keep` expands them where they are used. ``key_rows``: int32
+    ``arange(32)`` in ``gl.SliceLayout(1, transposed_draw_layout(ROWS))`` (key 16 · (r // 8) + r % 8
+    and 8 below it); ``row_words``: the query pairs' counter high words (:func:`pair_rows`,
+    ``gl.SliceLayout(0, ...)``); ``high_bound``: ``2^16 · threshold - 1``.
+
+    Each key takes its half of the words by a shift: the high half as it is, the low one moved up.
+    A counter's four flags (word w: bit w) fill a nibble; the pairs a thread holds in registers
+    (pair bit 0, then bits 3 and up) are folded into the word."""
+    BITS: gl.constexpr = gl.uint32 if ROWS <= 64 else gl.uint64
+    groups = first_key // 4 + 4 * (key_rows // 8) + (key_rows % 8) // 2
+    shifts = (((key_rows & 1) ^ 1).to(gl.uint32) * 16)[:, None]
+    groups, rows = gl.broadcast(groups.to(gl.uint32)[:, None], row_words[None, :])
+    word0, word1, word2, word3 = philox(groups, rows, key[0], key[1])
+    nibbles = (((word0 << shifts) > high_bound).to(BITS) | (((word1 << shifts) > high_bound).to(BITS) << 1)
+               | (((word2 << shifts) > high_bound).to(BITS) << 2) | (((word3 << shifts) > high_bound).to(BITS) << 3))
+    low, high = gl.split(nibbles.reshape([32, ROWS // 16, 4, 2]))  # pair bit 0
+    bits = (low | (high << 4)).permute((0, 2, 1))  # [32, 4, ROWS // 16]: 8 flags each
+    bits = _fold(bits, 8)
+    bits = _fold(bits, 16)
+    if ROWS > 64:
+        bits = _fold(bits, 32)
+    return bits
+
+
+@gluon.jit
+def _fold(bits, WIDTH: gl.constexpr):
+    """[32, 4, n] words of WIDTH flags to [32, 4, n // 2] of twice as many: the last axis is in registers."""
+    low, high = gl.split(bits.reshape([32, 4, bits.shape[2] // 2, 2]))
+    return low | (high << WIDTH)
+
+
+@gluon.jit
+def _unfold(bits, WIDTH: gl.constexpr):
+    """The inverse of :func:`_fold`."""
+    mask: gl.constexpr = (1 << WIDTH) - 1
+    return gl.join(bits & mask, bits >> WIDTH).reshape([32, 4, bits.shape[2] * 2])
+
+
+@gluon.jit
+def unpack_keep(bits, ROWS: gl.constexpr):
+    """bool [64, ROWS]: the flags of :func:`transposed_keep_bits`, in the order of the [64 keys, ROWS]
+    tile (convert to the wgmma accumulator layout with ``assert_trivial``)."""
+    if ROWS > 64:
+        bits = _unfold(bits, 32)
+    bits = _unfold(bits, 16)
+    bits = _unfold(bits, 8)
+    bits = bits.permute((0, 2, 1))  # [32, ROWS // 16, 4]
+    nibbles = gl.join(bits & 0xF, bits >> 4).reshape([32, ROWS // 2])
+    keep = gl.join(gl.join((nibbles & 1) != 0, (nibbles & 2) != 0), gl.join((nibbles & 4) != 0, (nibbles & 8) != 0))
+    # [key row, pair, word % 2, word // 2] to key 16 · (row // 8) + 8 · (word % 2) + row % 8, query 16 · (pair // 8)
+    # + 8 · (word // 2) + pair % 8
+    return keep.reshape([4, 8, ROWS // 16, 8, 2, 2]).permute((0, 4, 1, 2, 5, 3)).reshape([64, ROWS])

@@ -112,7 +112,7 @@ def _dkdv_query_blocks(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, threshold, dropout_scale = mods
+    softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, threshold, dropout_scale = mods
     for start_m in range(m_start, m_end, BLOCK_M):
         rows = start_m + offs_m  # [BLOCK_M]
         q = load_rows(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, rows, seqlen_q,
@@ -132,8 +132,7 @@ def _dkdv_query_blocks(
             seen = visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
             probs_t = tl.where(seen & (rows[None, :] < seqlen_q), probs_t, 0.0)
         if DROPOUT:  # the forward's bits, made in its [rows, keys] order
-            keep_t = tl.trans(dropout_keep(seed, (rng_row + rows) * rng_groups, first_key, threshold,
-                                           BLOCK_M, BLOCK_N))
+            keep_t = tl.trans(dropout_keep(seed, rng_row, rows, first_key, threshold, BLOCK_M, BLOCK_N))
             dv = tl.dot(tl.where(keep_t, probs_t * dropout_scale, 0.0).to(do.dtype), do, dv,
                         input_precision=DOT_PRECISION)
         else:
@@ -203,7 +202,7 @@ def backward_dkdv_kernel(
         else:
             rng_row = (batch * num_q_heads + head) * seqlen_q
         mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm,
-                          stride_mn, softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row, total_k,
+                          stride_mn, softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row,
                           ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
@@ -239,7 +238,7 @@ def _dq_key_blocks(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, threshold, dropout_scale = mods
+    softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, threshold, dropout_scale = mods
     for start_n in range(n_start, n_end, BLOCK_N):
         keys = start_n + offs_n  # [BLOCK_N]
         k = load_rows(k_base + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, keys, seqlen_k,
@@ -258,7 +257,7 @@ def _dq_key_blocks(
             probs = tl.where(seen, probs, 0.0)
         dprobs = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if DROPOUT:
-            keep = dropout_keep(seed, (rng_row + rows) * rng_groups, start_n, threshold, probs.shape[0], BLOCK_N)
+            keep = dropout_keep(seed, rng_row, rows, start_n, threshold, probs.shape[0], BLOCK_N)
             dprobs = tl.where(keep, dprobs * dropout_scale, 0.0)
         dscores = probs * (dprobs - delta[:, None])  # [BLOCK_M, BLOCK_N]
         if SOFTCAP:
@@ -309,7 +308,7 @@ def backward_dq_kernel(
     else:
         rng_row = (batch * num_q_heads + head) * seqlen_q
     mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
-                      softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row, total_k,
+                      softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row,
                       ALIBI, MASK, DROPOUT)
 
     # The forward's key ranges: masked, whole blocks every row sees, masked.

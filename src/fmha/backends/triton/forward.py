@@ -70,7 +70,7 @@ def _softmax_update(
 
     ``mods``: the score features' runtime values (:func:`fmha.backends.triton.scores.score_mods`).
     """
-    softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, threshold, _ = mods
+    softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, threshold, _ = mods
     if FUSED_SCALE:
         tl.static_assert(not ALIBI and MASK == NO_MASK, "biased scores are scaled before the row max")
         if SOFTCAP:  # the factor after the tanh folds in
@@ -105,8 +105,7 @@ def _softmax_update(
     rescale = tl.math.exp2(row_max - new_max_safe)  # [BLOCK_M]
     row_sum = row_sum * rescale + tl.sum(probs, 1)
     if DROPOUT:  # the softmax's sum counts every probability; P·V only the kept ones
-        keep = dropout_keep(seed, (rng_row + offs_m) * rng_groups, start_n, threshold,
-                            probs.shape[0], probs.shape[1])
+        keep = dropout_keep(seed, rng_row, offs_m, start_n, threshold, probs.shape[0], probs.shape[1])
         probs = tl.where(keep, probs, 0.0)
     acc = tl.dot(probs.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
     return acc, row_sum, new_max
@@ -259,7 +258,7 @@ def _forward_tile(
         out = acc / row_sum_safe[:, None]
         lse = tl.where(seen, (row_max + tl.math.log2(row_sum_safe)) * LN_2, float("-inf"))
     if DROPOUT:
-        out = out * mods[9]  # 1 / (1 - p)
+        out = out * mods[8]  # 1 / (1 - p)
 
     if USE_TMA:
         o_desc.store([batch, head, m_block * BLOCK_M, 0],
@@ -309,7 +308,7 @@ def attention_forward_kernel(
             offset = seqlen_k_seq - seqlen_q_seq
             mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm,
                               stride_mn, softcap_scale, dropout_threshold, dropout_scale, seq, head,
-                              head * seqlen_q + q_start, seqlen_k, ALIBI, MASK, DROPOUT)
+                              head * seqlen_q + q_start, ALIBI, MASK, DROPOUT)
             _forward_tile(
                 Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc, Sinks,
                 stride_qb, stride_qh, stride_qm, stride_qd,
@@ -332,7 +331,7 @@ def attention_forward_kernel(
                 mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh,
                                   stride_mm, stride_mn, softcap_scale, dropout_threshold, dropout_scale,
                                   batch_head // num_q_heads, batch_head % num_q_heads, batch_head * seqlen_q,
-                                  seqlen_k, ALIBI, MASK, DROPOUT)
+                                  ALIBI, MASK, DROPOUT)
                 _forward_tile(
                     Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc, Sinks,
                     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -349,7 +348,7 @@ def attention_forward_kernel(
             m_block = _m_block_of(tile, num_m_blocks, HAS_RIGHT)
             mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm,
                               stride_mn, softcap_scale, dropout_threshold, dropout_scale, batch_head // num_q_heads,
-                              batch_head % num_q_heads, batch_head * seqlen_q, seqlen_k, ALIBI, MASK, DROPOUT)
+                              batch_head % num_q_heads, batch_head * seqlen_q, ALIBI, MASK, DROPOUT)
             _forward_tile(
                 Q, K, V, Out, Lse, q_desc, k_desc, v_desc, o_desc, Sinks,
                 stride_qb, stride_qh, stride_qm, stride_qd,

@@ -73,24 +73,34 @@ def dropout_scale(dropout_p: float) -> float:
     return 1.0 / kept if kept > 0 else 0.0
 
 
-def dropout_keep_mask(rng_state: torch.Tensor, rows: int, keys: int, dropout_p: float,
-                      block_keys: int = 16) -> torch.Tensor:
+def dropout_keep_mask(rng_state: torch.Tensor, rows: int, keys: int, dropout_p: float, seqlen_q: int | None = None,
+                      cu_seqlens_q: torch.Tensor | None = None, block_keys: int = 16) -> torch.Tensor:
     """The (rows, keys) bool pattern the kernels keep for the philox key ``rng_state`` (a testing aid):
-    the portable kernels' and the Gluon Hopper forward's, which draws the same bits.
+    the portable kernels' and the Gluon Hopper kernels', which draw the same bits.
 
-    Rows are numbered as the kernels number them: (batch, head, row) flattened for dense calls, so
-    the pattern is ``.view(B, Hq, Sq, Sk)``; (head, packed token) for packed sequences, with keys
-    the packed total: ``.view(Hq, total_q, total_k)``, sequence b's keys counted from its start.
+    Rows are numbered as the kernels number them: (batch, head, row) flattened for dense calls,
+    ``seqlen_q`` rows each, so the pattern is ``.view(B, Hq, Sq, Sk)``; (head, packed token) for
+    packed sequences (``cu_seqlens_q``), with keys the packed total: ``.view(Hq, total_q, total_k)``,
+    sequence b's keys counted from its start. Without either, the rows are one sequence.
     ``block_keys`` (a power of two >= 16) is the tile width it is made with; the pattern is the same
     for every width.
     """
     keep = torch.empty((rows, keys), dtype=torch.bool, device=rng_state.device)
     if keep.numel() == 0:
         return keep
+    if cu_seqlens_q is not None:
+        cu = cu_seqlens_q.to(device=rng_state.device, dtype=torch.int64)
+        total = int(cu[-1])
+        heads = torch.arange(rows // total, device=cu.device, dtype=torch.int64)[:, None] * total
+        starts, lengths = (heads + cu[None, :-1]).flatten(), (cu[1:] - cu[:-1]).repeat(rows // total)
+    else:
+        seqlen_q = rows if seqlen_q is None else seqlen_q
+        starts = torch.arange(0, rows, seqlen_q, device=rng_state.device, dtype=torch.int64)
+        lengths = torch.full_like(starts, seqlen_q)
     block = 16
-    dropout_mask_kernel[(triton.cdiv(rows, block), triton.cdiv(keys, block_keys))](
-        rng_state, keep, rows, keys, dropout_threshold(dropout_p), BLOCK_M=block, BLOCK_N=block_keys,
-        **COMPILE_OPTIONS)
+    grid = (starts.numel(), triton.cdiv(max(int(lengths.max()), 1), block), triton.cdiv(keys, block_keys))
+    dropout_mask_kernel[grid](rng_state, keep, starts, lengths, keys, dropout_threshold(dropout_p), BLOCK_M=block,
+                              BLOCK_N=block_keys, **COMPILE_OPTIONS)
     return keep
 
 

@@ -85,55 +85,47 @@ def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slo
 
 
 @triton.jit
-def _span_draws(seed, row_counters, first_span, BLOCK_M: tl.constexpr, SPANS: tl.constexpr):
-    """[BLOCK_M, 32 * SPANS] uint32 tile of the 16-bit draws of keys [32 * first_span, 32 * (first_span + SPANS))."""
-    spans = (first_span + tl.arange(0, SPANS)).to(tl.int64) * 4
-    lanes = tl.arange(0, 4).to(tl.int64)
-    counters = row_counters[:, None, None] + spans[None, :, None] + lanes[None, None, :]  # [M, SPANS, 4]
-    word0, word1, word2, word3 = tl.randint4x(seed, counters)
-    words = tl.join(tl.join(word0, word1), tl.join(word2, word3)).to(tl.uint32, bitcast=True)
-    draws = tl.join(words & 0xFFFF, words >> 16)  # [M, span, lane, word % 2, word // 2, half]
-    # to key 32 * span + 8 * word + 2 * lane + half
-    return draws.permute(0, 1, 4, 3, 2, 5).reshape(BLOCK_M, 32 * SPANS)
+def dropout_keep(seed, rng_row, rows, first_key, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool tile: which probabilities of rows ``rows`` (counted within their
+    sequence, the first a multiple of 16) and keys [first_key, first_key + BLOCK_N) survive dropout.
 
-
-@triton.jit
-def dropout_keep(seed, row_counters, first_key, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] bool tile: which probabilities of keys [first_key, first_key + BLOCK_N) survive dropout.
-
-    Philox-4x32-10 (key ``seed``) gives four 32-bit words per counter, eight 16-bit draws. Key j of a
-    row takes half j % 2 (low, high) of word (j // 8) % 4 of counter ``row_counters[row] + 4 · (j // 32)
-    + (j % 8) // 2``: a score's bits depend on its (row, key) alone, so the backward, whatever its
-    tiles, regenerates the forward's. A counter's eight keys are those one thread holds in a row of
-    an NVIDIA tensor-core accumulator (two adjacent columns in each of four 8-column blocks), so the
-    forward draws its bits where its probabilities are, with no exchange between threads.
+    Philox-4x32-10 (key ``seed``) gives four 32-bit words per counter, eight 16-bit draws, for a
+    block of two rows by four keys: rows i and i + 8 (i % 16 < 8) and keys j, j + 1, j + 8, j + 9
+    (j % 16 < 8, even). Key j of row i takes half j % 2 (low, high) of word 2 · ((i // 8) % 2) +
+    (j // 8) % 2 of the counter whose low word is the key group ``4 · (j // 16) + (j % 8) // 2`` and
+    whose high word is the pair's first row ``rng_row + i - (i & 8)``.
+    A score's bits depend on its (row, key) alone, so the backward, whatever its tiles, regenerates
+    the forward's. An NVIDIA tensor-core accumulator (wgmma, mma.sync) gives one thread rows i and
+    i + 8 and key pairs 8 apart, whichever operand holds the rows: the Hopper forward draws a
+    counter's eight bits in the thread that holds them, the Hopper backward (keys as rows) four.
 
     A draw >= ``threshold`` = round(p · 2^16) keeps its score: the keep probability is
-    ``1 - threshold / 2^16`` (the launcher scales kept scores by its inverse). BLOCK_N is a power of
-    two >= 16 and ``first_key`` a multiple of it.
+    ``1 - threshold / 2^16`` (the launcher scales kept scores by its inverse). BLOCK_M and BLOCK_N
+    are multiples of 16, and ``first_key`` a multiple of 16.
     """
-    if BLOCK_N >= 32:
-        draws = _span_draws(seed, row_counters, first_key // 32, BLOCK_M, BLOCK_N // 32)
-    else:  # one half of a span of 32 keys
-        tl.static_assert(BLOCK_N == 16, "tiles of at least 16 keys")
-        span = _span_draws(seed, row_counters, first_key // 32, BLOCK_M, 1)
-        first_half, second_half = span.reshape(BLOCK_M, 2, 16).permute(0, 2, 1).split()
-        draws = tl.where(first_key % 32 == 0, first_half, second_half)
-    return draws >= threshold.to(tl.uint32)
+    tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles of whole 16 x 16 blocks")
+    # rows i with i % 16 < 8: the first row of each pair
+    leaders, _ = tl.split(rows.reshape(BLOCK_M // 16, 2, 8).permute(0, 2, 1))  # [M / 16, 8]
+    groups = (first_key // 16 * 4 + tl.arange(0, BLOCK_N // 4)).to(tl.int64)  # [N / 4]
+    counters = ((rng_row + leaders.to(tl.int64)) << 32)[:, :, None] | groups[None, None, :]
+    word0, word1, word2, word3 = tl.randint4x(seed, counters)
+    words = tl.join(tl.join(word0, word1), tl.join(word2, word3)).to(tl.uint32, bitcast=True)
+    draws = tl.join(words & 0xFFFF, words >> 16)  # [M/16, i % 8, group, word % 2, word // 2, half]
+    # to row 16 · (i // 16) + 8 · (word // 2) + i % 8, key 16 · (group // 4) + 8 · (word % 2) + 2 · (group % 4) + half
+    draws = draws.reshape(BLOCK_M // 16, 8, BLOCK_N // 16, 4, 2, 2, 2).permute(0, 5, 1, 2, 4, 3, 6)
+    return draws.reshape(BLOCK_M, BLOCK_N) >= threshold.to(tl.uint32)
 
 
 @triton.jit
 def score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
-               softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row, keys_per_row,
+               softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row,
                ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr):
     """What the score features of one (batch, head) need at run time, as one tuple: ``(softcap_scale,
-    slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, dropout_threshold, dropout_scale)``.
+    slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, dropout_threshold, dropout_scale)``.
 
-    Dropout gives every (row, key) of the call its own counter: ``rng_row`` numbers row 0 of this
-    (batch, head) among all rows of the call, ``keys_per_row`` bounds every row's keys (Sk, or the
-    packed total), and row i's counters start at ``(rng_row + i) * rng_groups``, with ``rng_groups =
-    4 · ceil(keys_per_row / 32)``: four per 32 keys (:func:`dropout_keep`). A switched-off feature's
-    values are placeholders that are never read.
+    Dropout gives every (row, key) of the call its own draw (:func:`dropout_keep`): ``rng_row``
+    numbers row 0 of this (batch, head) among all rows of the call (fewer than 2^32). A
+    switched-off feature's values are placeholders that are never read.
     """
     slope = 0.0
     if ALIBI:
@@ -142,24 +134,23 @@ def score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, str
     if MASK != NO_MASK:
         mask_ptr = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
     seed = 0
-    rng_groups = 0
     if DROPOUT:
         seed = tl.load(RngState)
         rng_row = tl.cast(rng_row, tl.int64)
-        rng_groups = tl.cast(tl.cdiv(keys_per_row, 32) * 4, tl.int64)
-    return (softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, rng_groups, dropout_threshold,
-            dropout_scale)
+    return softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, dropout_threshold, dropout_scale
 
 
 @triton.jit
-def dropout_mask_kernel(RngState, Keep, num_rows, keys_per_row, threshold,
+def dropout_mask_kernel(RngState, Keep, SequenceStarts, SequenceLengths, keys_per_row, threshold,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``Keep[r, j]``: whether the attention kernels keep key j of counter row r (a testing aid: the
-    kernels themselves never write the pattern). Rows are numbered as :func:`score_mods` numbers them."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    first_key = tl.program_id(1) * BLOCK_N
+    kernels themselves never write the pattern). Rows are numbered as :func:`score_mods` numbers
+    them; sequence s holds rows [SequenceStarts[s], + SequenceLengths[s]) (program axis 0)."""
+    sequence = tl.program_id(0)
+    start = tl.load(SequenceStarts + sequence)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    first_key = tl.program_id(2) * BLOCK_N
     keys = first_key + tl.arange(0, BLOCK_N)
-    row_counters = rows.to(tl.int64) * tl.cast(tl.cdiv(keys_per_row, 32) * 4, tl.int64)
-    keep = dropout_keep(tl.load(RngState), row_counters, first_key, threshold, BLOCK_M, BLOCK_N)
-    tl.store(Keep + rows.to(tl.int64)[:, None] * keys_per_row + keys[None, :], keep,
-             mask=(rows[:, None] < num_rows) & (keys[None, :] < keys_per_row))
+    keep = dropout_keep(tl.load(RngState), start, rows, first_key, threshold, BLOCK_M, BLOCK_N)
+    tl.store(Keep + (start + rows.to(tl.int64))[:, None] * keys_per_row + keys[None, :], keep,
+             mask=(rows[:, None] < tl.load(SequenceLengths + sequence)) & (keys[None, :] < keys_per_row))

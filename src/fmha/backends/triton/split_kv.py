@@ -106,7 +106,7 @@ def attention_split_kv_kernel(
         v = load_rows(v_ptrs + start_n * stride_vn, keys, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
         acc, row_sum, row_max = _softmax_update(
             acc, row_sum, row_max, raw_scores, v, start_n, keys, rows, seqlen_q, seqlen_k, lo, hi, qk_scale,
-            (0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0), True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, False,
+            (0.0, 0.0, 0, 0, 0, 0, 0, 0, 0.0), True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, False,
             False, False, NO_MASK, False)
 
     seen = row_sum > 0.0
