@@ -19,7 +19,7 @@ Supported
   ``sinks`` ((Hq,) float32, learnable: ``exp(sinks[h])`` joins each row's denominator), and
   ``dropout_p`` on P (FlashAttention's semantics). Forward and backward (the sinks' gradient
   included) on the portable kernels, dense and varlen, with causal, windows and GQA; on sm_90 the
-  Gluon forward runs all of them and the Gluon backward all but dropout; decode-like calls keep
+  Gluon forward and backward run all of them; decode-like calls keep
   the per-tile forward. Dropout's bits are
   made in the kernels from a philox key drawn per call by one torch random op (``generator``, or
   torch's default generator): no mask in memory, the backward regenerates the same bits, a

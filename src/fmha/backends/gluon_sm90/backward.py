@@ -201,7 +201,7 @@ def _query_steps(
     sequence's tokens) take the mask, and dQ's rows start at q_start. ``mods``: ``(softcap_scale, slope, position_offset,
     key_positions)``, the score features' values for this head (position_offset = Sk - Sq); ``dropout``:
     ``(RngState, rng_row, high_bound, dropout_scale, first_key, key_rows)`` (DROPOUT: the
-    forward's pattern, :func:`fmha.backends.gluon_sm90.scores.transposed_keep`; P·dO and dP take the
+    forward's pattern, :func:`fmha.backends.gluon_sm90.scores.transposed_keep_bits`; P·dO and dP take the
     kept scores, and dV the factor ``dropout_scale`` at its store)."""
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     BLOCK_N: gl.constexpr = k_smem.shape[2]

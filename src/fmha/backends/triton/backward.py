@@ -164,7 +164,7 @@ def backward_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    total_q, total_k = seqlen_q, seqlen_k  # the dropout counters' row numbering (packed: the totals)
+    total_q = seqlen_q  # the dropout counters' row numbering (packed: the total)
     # One key block of one KV head (packed sequences: an entry of the key-block list).
     past_end, n_block, batch, kv_head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
         Tiles, CuSeqlensQ, CuSeqlensK, num_kv_heads, seqlen_q, seqlen_k, lo, hi, VARLEN)
@@ -282,7 +282,7 @@ def backward_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    total_q, total_k = seqlen_q, seqlen_k  # the dropout counters' row numbering (packed: the totals)
+    total_q = seqlen_q  # the dropout counters' row numbering (packed: the total)
     past_end, m_block, batch, head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
         Tiles, CuSeqlensQ, CuSeqlensK, num_q_heads, seqlen_q, seqlen_k, lo, hi, VARLEN)
     if past_end:
