@@ -98,6 +98,10 @@ HOPPER_SCHEDULES = {  # HopperSchedule fields; names without spaces (test ids pa
     "dynamic_two_q_buffers_exp2_1_in_8": {"persistent": True, "dynamic": True, "q_buffers": 2, "emulated_exp2": 8},
     "dynamic_one_consumer_three_ctas_per_sm_64_keys": {"consumers": 1, "block_n": 64, "q_buffers": 2, "ctas_per_sm": 3,
                                                        "dynamic": True},
+    "grid_turns": {"persistent": False, "pingpong": 1},
+    "persistent_turns": {"persistent": True, "pingpong": 1},
+    "dynamic_two_q_buffers_exp2_1_in_8_turns": {"persistent": True, "dynamic": True, "q_buffers": 2, "emulated_exp2": 8,
+                                                "pingpong": 1},
 }
 # Too few registers per thread for a D=128 accumulator: ptxas refuses these.
 D64_ONLY_SCHEDULES = {"one_consumer_three_ctas_per_sm_64_keys", "one_consumer_three_ctas_per_sm_64_keys_exp2_1_in_8",
@@ -146,7 +150,8 @@ def test_default_path_schedules(dtype, shape, causal, plan):
 @pytest.mark.parametrize("shape", [(1, 1, 1, 300, 300), (1, 5, 5, 300, 300), (7, 1, 1, 1100, 1100), (2, 3, 1, 640, 900)],
                          ids=lambda shape: "x".join(map(str, shape)))  # ids pass through a shell: no spaces
 @pytest.mark.parametrize("schedule", ["persistent_two_q_buffers", "one_consumer_three_ctas_per_sm_64_keys", "dynamic",
-                                      "dynamic_one_consumer_three_ctas_per_sm_64_keys"])
+                                      "dynamic_one_consumer_three_ctas_per_sm_64_keys", "persistent_turns",
+                                      "dynamic_two_q_buffers_exp2_1_in_8_turns"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_causal_pairs_cover_every_tile(head_dim, shape, schedule):
     """Persistent causal programs walk pairs of tiles: odd tile counts (the last pair is one tile),
@@ -179,3 +184,23 @@ def test_split_kv_decode_gpu(dtype, shape, causal):
     out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
     assert_close_to_reference(out, q, k, v, causal_offset=shape[4] - shape[3] if causal else None, lse=lse,
                               atol=1e-5)
+
+
+@pytest.mark.parametrize("features", [{}, {"softcap": 20.0}, {"dropout_p": 0.2}], ids=lambda f: "-".join(f) or "plain")
+@pytest.mark.parametrize("schedule", [{"persistent": True}, {"persistent": True, "dynamic": True, "q_buffers": 2}],
+                         ids=["persistent", "dynamic"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_turns_change_no_arithmetic(head_dim, schedule, features):
+    """The consumers taking turns (HopperSchedule.pingpong) only orders when products are issued:
+    outputs and LSE are bitwise those of the schedule without turns."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    q, k, v = random_qkv(3, 8, 2, 1000, 1300, head_dim, torch.bfloat16, device="cuda", layout="bshd")
+    results = []
+    for pingpong in (0, 1):
+        generator = torch.Generator(device="cuda").manual_seed(5) if "dropout_p" in features else None
+        extra = {"generator": generator} if generator is not None else {}
+        results.append(fmha.attention(q, k, v, causal=True, return_lse=True, **features, **extra,
+                                      config=fmha.HopperSchedule(**schedule, pingpong=pingpong)))
+    (out_off, lse_off), (out_on, lse_on) = results
+    assert torch.equal(out_on, out_off) and torch.equal(lse_on, lse_off)

@@ -15,6 +15,9 @@ import fmha.testing
 
 from fmha import HopperSchedule
 from fmha.backends.gluon_sm90 import backend as hopper_backend
+from fmha.backends.gluon_sm90 import launch
+from fmha.backends.gluon_sm90.schedule import PINGPONG_OFF, PINGPONG_ON
+from fmha.backends.gluon_sm90.scores import ALIBI_ANY, ALIBI_CAUSAL
 from fmha.params import attention_params
 from fmha.tuning import schedules
 
@@ -34,6 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.tools.disasm import path_to_cuobjdump
 from fmha import HopperSchedule
 from fmha.backends.gluon_sm90 import launch
+from fmha.backends.gluon_sm90.schedule import PINGPONG_LONG_SOFTMAX, PINGPONG_ON
 
 def sass_of(cubin):
     # cuobjdump's own listing: triton.tools.disasm.get_sass stops at code offset 0x10000.
@@ -46,7 +50,8 @@ report = {"triton": triton.__version__}
 for variant in json.loads(sys.argv[1]):
     head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm, *extra = variant
     schedule = HopperSchedule(block_n=block_n, stages=stages, consumers=consumers, emulated_exp2=emulated_exp2,
-                              q_buffers=q_buffers, ctas_per_sm=ctas_per_sm, dynamic="dynamic" in extra)
+                              q_buffers=q_buffers, ctas_per_sm=ctas_per_sm, dynamic="dynamic" in extra,
+                              pingpong=PINGPONG_ON if "pingpong" in extra else PINGPONG_LONG_SOFTMAX)
     # The very source, signature and options the launcher compiles on a GPU.
     alibi = 2 if "alibi_causal" in extra else int("alibi" in extra)
     features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=alibi, sinks="sinks" in extra,
@@ -73,6 +78,8 @@ for variant in json.loads(sys.argv[1]):
         "compiler_barriers": sorted({int(n) for n in re.findall(
             r"\b(?:bar|barrier)(?:\.cta)?\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", compiled.asm["ptx"])}),
         "slot_releases": len(re.findall(r"\bbar\.arrive\s+%r", compiled.asm["ptx"])),
+        # the consumers' turns: named barriers of the two consumer warpgroups alone (256 threads)
+        "turns": len(re.findall(r"\bbar\.(?:sync|arrive)\s+%r\d+,\s*256;", compiled.asm["ptx"])),
         "global_atomics": len(re.findall(r"\batom\.global", compiled.asm["ptx"]))}
 print(json.dumps(report))
 """
@@ -96,7 +103,9 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (64, True, 1, 64, 2, 0, 2, 3, "dropout"), (128, True, 2, 128, 2, 0, 2, 1, "varlen", "dropout"),
             (128, False, 2, 128, 2, 0, 2, 1, "softcap", "alibi", "sinks", "dropout"),
             (64, True, 2, 128, 2, 8, 2, 1, "dynamic"), (128, True, 2, 128, 2, 0, 2, 1, "left", "dynamic"),
-            (128, True, 2, 128, 2, 0, 2, 1, "varlen", "dynamic"), (64, True, 1, 64, 2, 0, 2, 3, "dynamic")]
+            (128, True, 2, 128, 2, 0, 2, 1, "varlen", "dynamic"), (64, True, 1, 64, 2, 0, 2, 3, "dynamic"),
+            (128, True, 2, 128, 2, 0, 2, 1, "pingpong"), (64, True, 2, 128, 2, 8, 2, 1, "dynamic", "left", "pingpong"),
+            (64, True, 2, 128, 3, 8, 1, 1, "softcap", "varlen"), (64, True, 2, 128, 4, 8, 1, 1, "softcap")]
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +147,44 @@ def test_slots_are_released_through_named_barriers_the_compiler_leaves_free(hopp
     build = hopper_builds[",".join(map(str, variant))]
     assert build["slot_releases"] > 0
     assert build["compiler_barriers"] and max(build["compiler_barriers"]) < FIRST_SLOT_BARRIER.value
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_consumers_take_turns_where_the_softmax_is_long(hopper_builds, variant):
+    """By default (PINGPONG_LONG_SOFTMAX) the two consumers take turns with softcap, dropout or
+    two-sided ALiBi, when the schedule has two consumers and at most three stages (the turns' named
+    barriers sit above the slots'); with PINGPONG_ON always."""
+    from fmha.backends.gluon_sm90.forward import TURN_BARRIER
+    from fmha.backends.gluon_sm90.slot_barriers import FIRST_SLOT_BARRIER
+
+    consumers, stages, extra = variant[2], variant[4], variant[8:]
+    long_softmax = bool({"softcap", "dropout", "alibi"} & set(extra))
+    expected = "pingpong" in extra or (long_softmax and consumers == 2 and stages <= 3)
+    build = hopper_builds[",".join(map(str, variant))]
+    assert (build["turns"] > 0) == expected
+    assert FIRST_SLOT_BARRIER.value + 2 * 3 <= TURN_BARRIER.value and TURN_BARRIER.value + 1 <= 15
+
+
+def test_turns_need_two_consumers_and_free_barriers():
+    with pytest.raises(ValueError, match="pingpong"):
+        HopperSchedule(consumers=1, pingpong=PINGPONG_ON)
+    with pytest.raises(ValueError, match="pingpong"):
+        HopperSchedule(stages=4, pingpong=PINGPONG_ON)
+    with pytest.raises(ValueError, match="pingpong"):
+        HopperSchedule(pingpong=3)
+    schedule = HopperSchedule(pingpong=PINGPONG_OFF)
+    assert HopperSchedule.from_ints(schedule.to_ints()) == schedule
+    assert HopperSchedule.from_record(schedule.to_record()) == schedule
+    softcap = launch.ScoreFeatures(softcap=True)
+    assert launch.takes_turns(HopperSchedule(), softcap)
+    assert launch.takes_turns(HopperSchedule(), launch.ScoreFeatures(dropout=True))
+    assert launch.takes_turns(HopperSchedule(), launch.ScoreFeatures(alibi=ALIBI_ANY.value))
+    assert not launch.takes_turns(HopperSchedule(), launch.NO_FEATURES)
+    assert not launch.takes_turns(HopperSchedule(), launch.ScoreFeatures(alibi=ALIBI_CAUSAL.value, sinks=True))
+    assert not launch.takes_turns(HopperSchedule(pingpong=PINGPONG_OFF), softcap)
+    assert not launch.takes_turns(HopperSchedule(stages=4), softcap)
+    assert not launch.takes_turns(HopperSchedule(consumers=1), softcap)
+    assert launch.takes_turns(HopperSchedule(pingpong=PINGPONG_ON), launch.NO_FEATURES)
 
 
 def test_emulated_exponentials_leave_the_mufu_unit(hopper_builds):

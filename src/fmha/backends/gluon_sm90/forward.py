@@ -81,6 +81,24 @@ def _v_slot_barrier(slot, STAGES: gl.constexpr):
     return slot_barriers.FIRST_SLOT_BARRIER + STAGES + slot
 
 
+# Two consumers taking turns (TURN 0 or 1; -1: no turns): consumer c waits at named barrier
+# TURN_BARRIER + c before issuing a block's products and signals the other's once they are issued,
+# so that one's softmax runs while the other's products do. Above the slots' barriers (stages <= 3).
+TURN_BARRIER = gl.constexpr(14)
+
+
+@gluon.jit
+def _take_turn(TURN: gl.constexpr):
+    if TURN >= 0:
+        slot_barriers.wait(TURN_BARRIER + TURN, 2 * 32 * CONSUMER_WARPS)
+
+
+@gluon.jit
+def _pass_turn(TURN: gl.constexpr):
+    if TURN >= 0:
+        slot_barriers.signal(TURN_BARRIER + 1 - TURN, 2 * 32 * CONSUMER_WARPS)
+
+
 @gluon.constexpr_function
 def register_budget(consumers: int, ctas_per_sm: int) -> tuple[int, int, int]:
     """(registers per thread at launch, per consumer thread, per load-warp thread) for CTAS_PER_SM
@@ -499,7 +517,7 @@ def _pipelined_blocks(
     rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, TURN: gl.constexpr,
 ):
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
     sits at ring position ring_base + b. ``probs``: those of the block before, dropout applied."""
@@ -513,11 +531,16 @@ def _pipelined_blocks(
         prev_slot = (position - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (position // STAGES) & 1)
         k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+        if TURN >= 0:  # everything but the products before the turn
+            p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
+            _take_turn(TURN)
         scores = _scores(q, k, no_scores, mods, ALIBI)
         mbarrier.wait(v_ready.index(prev_slot), ((position - 1) // STAGES) & 1)
         v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
-        p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
+        if TURN < 0:
+            p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
         acc = warpgroup_mma(p, v, acc, is_async=True)
+        _pass_turn(TURN)
         # wgmma groups retire in order: this waits for the scores, not for P·V.
         scores = warpgroup_mma_wait(1, deps=(scores,))
         slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
@@ -566,7 +589,7 @@ def _consumer_tile(
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    DYNAMIC: gl.constexpr, TURN: gl.constexpr,
 ):
     """One tile of a consumer: its 64 rows' output and LSE. ``step``: the program's step, or with
     DYNAMIC the tile itself; returns the ring position and tile count after it."""
@@ -615,7 +638,9 @@ def _consumer_tile(
             slot = ring_position % STAGES
             mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
             k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+            _take_turn(TURN)
             scores = _scores(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), mods, ALIBI)
+            _pass_turn(TURN)
             scores = warpgroup_mma_wait(0, deps=(scores,))
             slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
             probs, row_max, row_sum = _softmax_first_block(
@@ -632,23 +657,25 @@ def _consumer_tile(
                     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                     rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
                     mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
-                    DROPOUT)
+                    DROPOUT, TURN)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
-                DROPOUT)
+                DROPOUT, TURN)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
-                DROPOUT)
+                DROPOUT, TURN)
             last = ring_position + end - start - 1
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
             v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
             p = gl.convert_layout(probs.to(dtype), p_layout)
+            _take_turn(TURN)
             acc = warpgroup_mma(p, v, acc, is_async=True)
+            _pass_turn(TURN)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             slot_barriers.signal(_v_slot_barrier(last_slot, STAGES), _slot_threads(CONSUMERS))
         mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
@@ -700,9 +727,12 @@ def _consumer_partition(
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     num_tiles, seqlen_k, score_args = shared[10], shared[15], shared[19]
+    TURN: gl.constexpr = CONSUMER if PINGPONG else -1
+    if TURN == 1:  # consumer 0 goes first
+        _pass_turn(TURN)
     tile_args = 0
     if DROPOUT:  # the call's Philox key
         tile_args = dropout_key(score_args[6])
@@ -714,14 +744,16 @@ def _consumer_partition(
         while tile < num_tiles:
             ring_position, tile_count = _consumer_tile(
                 tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
-                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC)
+                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN)
             handed += 1
             tile = take_tile(tile_slots, handed)
     else:
         for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
             ring_position, tile_count = _consumer_tile(
                 step, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
-                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC)
+                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN)
+    if TURN == 0:  # take consumer 1's last turn: no named barrier is left half-arrived
+        _take_turn(TURN)
     tma.store_wait(0)
 
 
@@ -735,7 +767,7 @@ def attention_forward_hopper_kernel(
     HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; with DYNAMIC they take them
     from the int32 counter at TileCounter (zero at launch) instead, one at a time, longest first; descriptors are (B, H, S, D)
@@ -788,25 +820,25 @@ def attention_forward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
              (_consumer_partition, (shared, tile_slots, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

@@ -17,7 +17,7 @@ from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout
 from ..triton.forward import LOG2_E
 from .forward import attention_forward_hopper_kernel, register_budget
 from .scores import ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF
-from .schedule import CONSUMER_ROWS, HopperSchedule
+from .schedule import CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,6 +92,16 @@ class ScoreFeatures:
 NO_FEATURES = ScoreFeatures()
 
 
+def takes_turns(schedule: HopperSchedule, features: ScoreFeatures) -> bool:
+    """Whether the forward's two consumers take turns issuing their products (HopperSchedule.pingpong).
+    Measured on the H100: 4-6% faster with softcap, dropout or two-sided ALiBi, whose softmax
+    outlasts the other consumer's products; 1-2% slower on plain D = 128 (docs/perf.md)."""
+    if schedule.pingpong == PINGPONG_LONG_SOFTMAX:
+        long_softmax = features.softcap or features.dropout or features.alibi == ALIBI_ANY.value
+        return long_softmax and schedule.consumers == 2 and schedule.stages <= 3
+    return schedule.pingpong == PINGPONG_ON
+
+
 def score_arguments(scores, placeholder: torch.Tensor) -> tuple:
     """``(alibi_slopes, sinks, (stride_ab, stride_ah, stride_sh))`` of a call's ScoreTensors; a
     feature that is off gets ``placeholder`` (never read) and stride 0."""
@@ -129,7 +139,8 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "CONSUMERS": schedule.consumers, "EMULATED_EXP2": schedule.emulated_exp2,
                  "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm, "VARLEN": varlen,
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "SINKS": features.sinks,
-                 "DROPOUT": features.dropout, "DYNAMIC": schedule.dynamic}
+                 "DROPOUT": features.dropout, "DYNAMIC": schedule.dynamic,
+                 "PINGPONG": takes_turns(schedule, features)}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",

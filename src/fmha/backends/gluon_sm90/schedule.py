@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 CONSUMER_ROWS = 64  # query rows per consumer warpgroup
+# HopperSchedule.pingpong: the two consumers take turns issuing their products never, always, or
+# when the call's score features lengthen the softmax (softcap, dropout, ALiBi both ways).
+PINGPONG_OFF, PINGPONG_ON, PINGPONG_LONG_SOFTMAX = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -20,7 +23,11 @@ class HopperSchedule:
     ``q_buffers`` 2: each consumer's next Q tile loads while it works on the current one;
     ``ctas_per_sm``: CTAs sharing a multiprocessor (registers per thread shrink with it);
     ``dynamic`` (persistent only): programs take tiles one at a time from a counter, longest first,
-    instead of a fixed share (balanced as one program per tile is, with the tile starts hidden).
+    instead of a fixed share (balanced as one program per tile is, with the tile starts hidden);
+    ``pingpong``: the two consumers take turns issuing their products, so that one's softmax runs
+    under the other's (:data:`PINGPONG_OFF`, :data:`PINGPONG_ON` with two consumers and at most
+    three stages, or :data:`PINGPONG_LONG_SOFTMAX`: on where the call's softcap, dropout or
+    two-sided ALiBi lengthens the softmax and the schedule allows it).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -33,12 +40,15 @@ class HopperSchedule:
     q_buffers: int = 1
     ctas_per_sm: int = 1
     dynamic: bool = False
+    pingpong: int = PINGPONG_LONG_SOFTMAX
 
     def __post_init__(self):
         checks = {"block_n": self.block_n in (64, 128), "stages": 1 <= self.stages <= 4,
                   "consumers": self.consumers in (1, 2, 3), "emulated_exp2": self.emulated_exp2 in (0, 2, 4, 8),
                   "q_buffers": self.q_buffers in (1, 2), "ctas_per_sm": 1 <= self.ctas_per_sm <= 4,
-                  "dynamic": not self.dynamic or self.persistent}
+                  "dynamic": not self.dynamic or self.persistent,
+                  "pingpong": self.pingpong in (PINGPONG_OFF, PINGPONG_LONG_SOFTMAX)
+                  or (self.pingpong == PINGPONG_ON and self.consumers == 2 and self.stages <= 3)}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"HopperSchedule.{name}: {getattr(self, name)!r} is not a valid choice")
