@@ -251,8 +251,10 @@ def test_shipped_rules_follow_the_measurements():
     short_causal = HopperSchedule(persistent=True, consumers=1, block_n=64, q_buffers=2, ctas_per_sm=3)
     assert plan(1024, 64, causal=True) == short_causal
     assert plan(512, 64, causal=True) is None  # not measured against the portable kernel
-    assert plan(2048, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
-    assert plan(4096, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
+    assert plan(2048, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8,
+                                                         pingpong=PINGPONG_ON)
+    assert plan(4096, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8,
+                                                         pingpong=PINGPONG_ON)
     assert plan(16384, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, dynamic=True, emulated_exp2=8)
     # 128 or 256 tiles of 128 rows: fewer than two per multiprocessor
     small_grid = HopperSchedule(persistent=True, consumers=1, q_buffers=2, ctas_per_sm=2, emulated_exp2=8)
