@@ -192,8 +192,11 @@ def _alibi_key_terms(staging, slope, qk_scale, BLOCK_N: gl.constexpr):
     ROWS: gl.constexpr = staging.shape[2]
     dtype: gl.constexpr = staging.dtype
     layout: gl.constexpr = gl.BlockedLayout([1, BIAS_COLUMNS], [32, 1], [gl.num_warps(), 1], [1, 0])
-    # [2 · BLOCK_N, 16] (a power of two): the terms, then the ones (ROWS <= BLOCK_N)
-    tiles = reinterpret_shared(staging, dtype, [2 * BLOCK_N, BIAS_COLUMNS], BIAS_LAYOUT)
+    # The whole buffer as rows of 16 (triton 3.8 reinterprets only to the same size); its first
+    # 2 · BLOCK_N rows hold the terms, then the ones (ROWS <= BLOCK_N).
+    buffer_rows: gl.constexpr = ROWS * staging.shape[3] // BIAS_COLUMNS
+    gl.static_assert(buffer_rows >= 2 * BLOCK_N)
+    tiles = reinterpret_shared(staging, dtype, [buffer_rows, BIAS_COLUMNS], BIAS_LAYOUT)
     columns = gl.arange(0, BIAS_COLUMNS, layout=gl.SliceLayout(0, layout))[None, :]
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     value = (slope / qk_scale) * keys.to(gl.float32)
