@@ -16,7 +16,7 @@ import fmha.testing
 from fmha import HopperSchedule
 from fmha.backends.gluon_sm90 import backend as hopper_backend
 from fmha.backends.gluon_sm90 import launch
-from fmha.backends.gluon_sm90.schedule import PINGPONG_OFF, PINGPONG_ON
+from fmha.backends.gluon_sm90.schedule import MAX_STAGES_WITH_TURNS, PINGPONG_OFF, PINGPONG_ON
 from fmha.backends.gluon_sm90.scores import ALIBI_ANY, ALIBI_CAUSAL
 from fmha.params import attention_params
 from fmha.tuning import schedules
@@ -159,10 +159,10 @@ def test_consumers_take_turns_where_the_softmax_is_long(hopper_builds, variant):
 
     consumers, stages, extra = variant[2], variant[4], variant[8:]
     long_softmax = bool({"softcap", "dropout", "alibi"} & set(extra))
-    expected = "pingpong" in extra or (long_softmax and consumers == 2 and stages <= 3)
+    expected = "pingpong" in extra or (long_softmax and consumers == 2 and stages <= MAX_STAGES_WITH_TURNS)
     build = hopper_builds[",".join(map(str, variant))]
     assert (build["turns"] > 0) == expected
-    assert FIRST_SLOT_BARRIER.value + 2 * 3 <= TURN_BARRIER.value and TURN_BARRIER.value + 1 <= 15
+    assert FIRST_SLOT_BARRIER.value + 2 * MAX_STAGES_WITH_TURNS <= TURN_BARRIER.value <= 14  # two of the 16
 
 
 def test_turns_need_two_consumers_and_free_barriers():

@@ -83,20 +83,22 @@ def _v_slot_barrier(slot, STAGES: gl.constexpr):
 
 # Two consumers taking turns (TURN 0 or 1; -1: no turns): consumer c waits at named barrier
 # TURN_BARRIER + c before issuing a block's products and signals the other's once they are issued,
-# so that one's softmax runs while the other's products do. Above the slots' barriers (stages <= 3).
+# so that one's softmax runs while the other's products do. Above the slots' barriers
+# (HopperSchedule.turns_fit: at most three stages).
 TURN_BARRIER = gl.constexpr(14)
+TURN_THREADS = gl.constexpr(2 * 32 * CONSUMER_WARPS.value)  # both consumer warpgroups
 
 
 @gluon.jit
 def _take_turn(TURN: gl.constexpr):
     if TURN >= 0:
-        slot_barriers.wait(TURN_BARRIER + TURN, 2 * 32 * CONSUMER_WARPS)
+        slot_barriers.wait(TURN_BARRIER + TURN, TURN_THREADS)
 
 
 @gluon.jit
 def _pass_turn(TURN: gl.constexpr):
     if TURN >= 0:
-        slot_barriers.signal(TURN_BARRIER + 1 - TURN, 2 * 32 * CONSUMER_WARPS)
+        slot_barriers.signal(TURN_BARRIER + 1 - TURN, TURN_THREADS)
 
 
 @gluon.constexpr_function

@@ -98,7 +98,7 @@ def takes_turns(schedule: HopperSchedule, features: ScoreFeatures) -> bool:
     outlasts the other consumer's products; 1-2% slower on plain D = 128 (docs/perf.md)."""
     if schedule.pingpong == PINGPONG_LONG_SOFTMAX:
         long_softmax = features.softcap or features.dropout or features.alibi == ALIBI_ANY.value
-        return long_softmax and schedule.consumers == 2 and schedule.stages <= 3
+        return long_softmax and schedule.turns_fit
     return schedule.pingpong == PINGPONG_ON
 
 

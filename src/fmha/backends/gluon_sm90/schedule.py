@@ -10,6 +10,8 @@ CONSUMER_ROWS = 64  # query rows per consumer warpgroup
 # HopperSchedule.pingpong: the two consumers take turns issuing their products never, always, or
 # when the call's score features lengthen the softmax (softcap, dropout, ALiBi both ways).
 PINGPONG_OFF, PINGPONG_ON, PINGPONG_LONG_SOFTMAX = 0, 1, 2
+# The turns' two named barriers sit above the K/V slots' (fmha.backends.gluon_sm90.forward.TURN_BARRIER).
+MAX_STAGES_WITH_TURNS = 3
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,15 @@ class HopperSchedule:
                   "q_buffers": self.q_buffers in (1, 2), "ctas_per_sm": 1 <= self.ctas_per_sm <= 4,
                   "dynamic": not self.dynamic or self.persistent,
                   "pingpong": self.pingpong in (PINGPONG_OFF, PINGPONG_LONG_SOFTMAX)
-                  or (self.pingpong == PINGPONG_ON and self.consumers == 2 and self.stages <= 3)}
+                  or (self.pingpong == PINGPONG_ON and self.turns_fit)}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"HopperSchedule.{name}: {getattr(self, name)!r} is not a valid choice")
+
+    @property
+    def turns_fit(self) -> bool:
+        """Whether the consumers can take turns: two of them, and the turns' barriers free."""
+        return self.consumers == 2 and self.stages <= MAX_STAGES_WITH_TURNS
 
     @property
     def block_m(self) -> int:
