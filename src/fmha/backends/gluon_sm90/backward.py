@@ -193,8 +193,8 @@ def _query_steps(
     batch, head, keys, position_base, m_first, m_begin, m_stop, q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     dropout, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
-    DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-    DROPOUT: gl.constexpr,
+    DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     """Query blocks [m_begin, m_stop) of one head; the block at row m sits at ring position
     position_base + (m - m_first) / BLOCK_M. Packed sequences: rows past the sequence's end (the next
@@ -234,8 +234,11 @@ def _query_steps(
         do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         scores_t = warpgroup_mma(k_rows, q.permute((1, 0)), no_scores, use_acc=False, is_async=True)
         dprobs_t = warpgroup_mma(v_rows, do.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        if LSE_EARLY:  # read while the products run: behind them, shared memory answers slowly
+            lse = lse_smem.index(slot).load(row_layout)  # log2 units; padded rows +inf
         scores_t = warpgroup_mma_wait(1, deps=(scores_t,))
-        lse = lse_smem.index(slot).load(row_layout)  # log2 units; padded rows +inf
+        if not LSE_EARLY:
+            lse = lse_smem.index(slot).load(row_layout)
         if SOFTCAP or ALIBI:
             softcap_scale, slope, position_offset, key_positions = mods
             row_positions = (m + position_offset + gl.arange(0, BLOCK_M, layout=row_layout)).to(gl.float32)
@@ -316,7 +319,8 @@ def _consumer_partition(
     tile_slots,  # with DYNAMIC: where the load warp hands out tiles
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr,
+    LSE_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
      q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
@@ -340,7 +344,7 @@ def _consumer_partition(
                     kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale,
                     qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k,
                     seq_lo, seq_hi, sequence, ring_position, tile_count, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
-                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT)
                 tile_count += 1
             handed += 1
             tile = take_tile(tile_slots, handed)
@@ -352,7 +356,8 @@ def _consumer_partition(
                            kv_ready, kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size,
                            scale, qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q,
                            k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
-                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN,
+                           DROPOUT)
     tma.store_wait(0)
 
 
@@ -363,7 +368,7 @@ def _consumer_tile(
     batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence, ring_position, tile_count,
     rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+    LSE_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
     query block and query head that sees them, then their stores. Its query blocks sit at ring
@@ -405,17 +410,17 @@ def _consumer_tile(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT)
     mbarrier.arrive(kv_free, count=1)  # every product that reads K and V has completed
     own_staging = staging.index(CONSUMER)
     if DROPOUT:  # P·dO summed the kept probabilities
@@ -439,8 +444,8 @@ def attention_backward_hopper_kernel(
     stride_ab, stride_ah, padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles,
     dropout_threshold, scale, qk_scale, softcap_scale, dropout_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, SOFTCAP: gl.constexpr,
-    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr,
+    CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """One tile per (batch, KV head, key block of 64 x CONSUMERS keys), num_tiles of them: one
     program per tile, or with DYNAMIC persistent programs that take them from the int32 counter at
@@ -510,14 +515,14 @@ def attention_backward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
+                                    DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
+                                    DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
+                                    DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

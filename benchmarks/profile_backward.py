@@ -1,0 +1,35 @@
+"""Backward launches for Nsight Compute (GPU, sm_90): the Gluon backward on the `std` cases at
+S = 4k (B4, H = 2048 / D), causal and not, D = 64 and 128, bf16, on the default path.
+
+    ncu --clock-control none --kernel-name regex:attention_backward_hopper \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section InstructionStats --metrics <pipe and stall list> python3 benchmarks/profile_backward.py
+
+One forward and one backward per case; only the backward kernel is profiled.
+"""
+
+import argparse
+
+import torch
+
+import fmha
+
+CASES = {"d128": (4, 16, 4096, 128, False), "d128-causal": (4, 16, 4096, 128, True),
+         "d64": (4, 32, 4096, 64, False), "d64-causal": (4, 32, 4096, 64, True)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=sorted(CASES), choices=sorted(CASES))
+    args = parser.parse_args()
+    for name in args.cases:
+        batch, heads, seqlen, head_dim, causal = CASES[name]
+        q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        out = fmha.attention(q, k, v, causal=causal)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
