@@ -14,9 +14,10 @@ Same math as :mod:`fmha.backends.triton.backward` (P recomputed from Q, K and th
 * dQ = dS K needs every key of the tile, so it waits until each consumer's half of dSᵀ is in
   shared memory. At head dim 128 each consumer then computes half of dQ's columns; at 64 one
   consumer computes the whole tile, taking turns step by step (the other goes on to its next
-  step). The bulk copy engine adds the tile from shared memory into an fp32 buffer (a TMA
-  reduce-add). The order of the adds varies run to run: ``deterministic=True`` runs the portable dQ kernel instead
-  (:mod:`fmha.backends.gluon_sm90.backward_launch`).
+  step). Both compute it transposed (dQᵀ = Kᵀ dSᵀ), which stores into shared memory without
+  bank conflicts, and the bulk copy engine adds the tile from there into an fp32 buffer (a TMA
+  reduce-add). The order of the adds varies run to run: ``deterministic=True`` runs the portable
+  dQ kernel instead (:mod:`fmha.backends.gluon_sm90.backward_launch`).
 
 The row statistics come from a preparation kernel (:mod:`fmha.backends.triton.backward_rows`):
 delta and the LSE in log2 units, padded to whole query blocks (padded rows have LSE +inf, so P = 0
@@ -216,7 +217,7 @@ def _query_steps(
     else:  # each consumer computes HEAD_DIM / CONSUMERS columns of it every step
         DQ_COLUMNS: gl.constexpr = HEAD_DIM // CONSUMERS
         DQ_COLUMN0: gl.constexpr = CONSUMER * DQ_COLUMNS
-    dq_layout: gl.constexpr = accumulator_layout(DQ_COLUMNS)
+    dq_t_layout: gl.constexpr = accumulator_layout(BLOCK_M)  # [DQ_COLUMNS, BLOCK_M]: dQᵀ
     own_dq = dq_smem.index(CONSUMER)
     no_scores = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, layout=s_layout)
     for m in range(m_begin, m_stop, BLOCK_M):
@@ -287,15 +288,17 @@ def _query_steps(
                 computes_dq = True
             if computes_dq:
                 mbarrier.wait(ds_ready.index(buffer), buffer_phase)
-                ds = ds_buffer.permute((1, 0))  # [BLOCK_M, BLOCK_N]
                 k_columns = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(DQ_COLUMN0, DQ_COLUMNS, dim=1)
-                dq = warpgroup_mma(ds, k_columns, gl.zeros([BLOCK_M, DQ_COLUMNS], gl.float32, layout=dq_layout),
-                                   use_acc=False, is_async=True)
-                dq = warpgroup_mma_wait(0, deps=(dq,))
+                # dQᵀ = Kᵀ dSᵀ: a thread holds pairs of values in two rows of dQ, and its stores
+                # then meet no bank conflicts in the swizzled tile (dQ's own pairs share banks).
+                dq_t = warpgroup_mma(k_columns.permute((1, 0)), ds_buffer,
+                                     gl.zeros([DQ_COLUMNS, BLOCK_M], gl.float32, layout=dq_t_layout),
+                                     use_acc=False, is_async=True)
+                dq_t = warpgroup_mma_wait(0, deps=(dq_t,))
                 mbarrier.arrive(ds_free.index(buffer), count=1)
                 # The bulk copy engine adds the tile into the fp32 buffer; the previous one has been read.
                 tma.store_wait(0)
-                own_dq.reshape([BLOCK_M, DQ_COLUMNS]).store(dq)
+                own_dq.reshape([BLOCK_M, DQ_COLUMNS]).permute((1, 0)).store(dq_t)
                 fence_async_shared()
                 tma_atomic_add(dq_desc, [batch, head, q_start + m, DQ_COLUMN0], own_dq)
         else:

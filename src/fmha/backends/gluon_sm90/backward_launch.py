@@ -35,10 +35,7 @@ class HopperBackwardSchedule:
     narrow for that (64), take turns computing the whole tile. ``dynamic``: persistent programs take
     key blocks one at a time from a counter (:mod:`fmha.backends.gluon_sm90.tile_queue`) instead of
     one program per key block. ``lse_early``: a step reads its rows' LSE from shared memory while
-    its first products run, not after them (16 more registers live across them). ``dq_swizzle``:
-    the swizzle width, in bytes, of dQ's fp32 tile in shared memory on its way to the bulk
-    reduce-add: at 32 the consumers' stores meet no bank conflicts, and the copy takes four times
-    as many boxes (64 rows by 8 columns).
+    its first products run, not after them (16 more registers live across them).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -48,11 +45,10 @@ class HopperBackwardSchedule:
     consumers: int = 2
     dynamic: bool = False
     lse_early: bool = False
-    dq_swizzle: int = 128
 
     def __post_init__(self):
         checks = {"block_m": self.block_m in (64, 128), "stages": 1 <= self.stages <= 4,
-                  "consumers": self.consumers in (1, 2), "dq_swizzle": self.dq_swizzle in (32, 64, 128)}
+                  "consumers": self.consumers in (1, 2)}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"HopperBackwardSchedule.{name}: {getattr(self, name)!r} is not a valid choice")
@@ -74,20 +70,19 @@ class HopperBackwardSchedule:
 
 
 def default_backward_schedule(head_dim: int) -> HopperBackwardSchedule:
-    """On the H100 (docs/perf.md, sessions 7 and 10): at D = 64 tiles taken one at a time
-    (1.02-1.07x) and dQ's tile stored without bank conflicts (1.01-1.03x); at D = 128 one program
-    per key block (shared memory holds one K/V block, so the next tile's cannot load early; dynamic
-    tiles lost 1-7% on causal and packed cases) and the LSE read early (1.01-1.03x; conflict-free
-    dQ stores lose 3-5% there, where both consumers add a tile every step)."""
+    """On the H100 (docs/perf.md, sessions 7 and 10): tiles taken one at a time at D = 64
+    (1.02-1.07x); at D = 128 one program per key block (shared memory holds one K/V block, so the
+    next tile's cannot load early; dynamic tiles lost 1-7% on causal and packed cases) and the LSE
+    read early (1.01-1.03x; at D = 64 it loses 1-3%)."""
     if head_dim <= 64:
-        return HopperBackwardSchedule(dynamic=True, dq_swizzle=32)
+        return HopperBackwardSchedule(dynamic=True)
     return HopperBackwardSchedule(lse_early=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _accumulator_layout(swizzle: int):
+def _accumulator_layout(rows: int, columns: int):
     """Shared layout of an fp32 dQ tile on its way to the bulk reduce-add."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=4)
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, columns], gl.float32)
 
 
 # Row statistics: a flat fp32 vector, copied in blocks of BLOCK_M without a swizzle.
@@ -117,7 +112,7 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                  "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
                  "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
                  "dq_desc": f"tensordesc<fp32[1,1,{dq_block[0]},{dq_block[1]}],"
-                            f"{_accumulator_layout(schedule.dq_swizzle)!r}>",
+                            f"{_accumulator_layout(*dq_block)!r}>",
                  "lse_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>",
                  "delta_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>", "AlibiSlopes": "*fp32",
                  "RngState": "*i64",
