@@ -35,7 +35,8 @@ class HopperBackwardSchedule:
     narrow for that (64), take turns computing the whole tile. ``dynamic``: persistent programs take
     key blocks one at a time from a counter (:mod:`fmha.backends.gluon_sm90.tile_queue`) instead of
     one program per key block. ``lse_early``: a step reads its rows' LSE from shared memory while
-    its first products run, not after them (16 more registers live across them).
+    its first products run, not after them (16 more registers live across them; builds with
+    softcap, ALiBi or dropout, whose registers are already short, read it after them).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -105,7 +106,7 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
     dq_block = schedule.dq_block(head_dim)
     constants = {"BLOCK_M": schedule.block_m, "STAGES": schedule.stages, "HAS_LEFT": has_left,
                  "HAS_RIGHT": has_right, "CONSUMERS": schedule.consumers, "COMPUTE_DQ": compute_dq,
-                 "DQ_ALTERNATE": schedule.dq_alternate(head_dim), "LSE_EARLY": schedule.lse_early,
+                 "DQ_ALTERNATE": schedule.dq_alternate(head_dim), "LSE_EARLY": schedule.lse_early and not features.modifies_scores,
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
                  "DYNAMIC": schedule.dynamic}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),

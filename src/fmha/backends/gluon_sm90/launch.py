@@ -75,6 +75,11 @@ class ScoreFeatures:
                 features = dataclasses.replace(features, alibi=ALIBI_CAUSAL.value)
         return features
 
+    @property
+    def modifies_scores(self) -> bool:
+        """Whether the kernel computes more per score than the plain softmax (the sinks change only the LSE)."""
+        return bool(self.softcap or self.alibi or self.dropout)
+
     def scalars(self, options) -> tuple[float, float]:
         """``(qk_scale, softcap_scale)``: ``scale / softcap`` and ``softcap · log2 e`` with a softcap,
         else ``scale · log2 e`` (and an unread 0)."""
