@@ -52,9 +52,19 @@ def test_window_backward_gpu(window, head_dim, seqlen_q, seqlen_k, causal):
 
 
 def test_window_gradients_are_deterministic_gpu():
+    """deterministic=True: every gradient bitwise equal run to run. The default path: dK and dV too
+    (each key block sums its rows in a fixed order), dQ up to the order of its atomic adds."""
     q, k, v = inputs(1500, 2000, 128, 7, grad=True)
     dout = torch.randn(1, 8, 1500, 128, device="cuda", dtype=torch.bfloat16)
-    first = torch.autograd.grad(fmha.attention(q, k, v, causal=True, window=(255, 0)), (q, k, v), dout)
-    for _ in range(4):
-        again = torch.autograd.grad(fmha.attention(q, k, v, causal=True, window=(255, 0)), (q, k, v), dout)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    for deterministic in (True, False):
+        def grads():
+            out = fmha.attention(q, k, v, causal=True, window=(255, 0), deterministic=deterministic)
+            return torch.autograd.grad(out, (q, k, v), dout)
+        first = grads()
+        for _ in range(4):
+            dq, dk, dv = grads()
+            assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
+            if deterministic:
+                assert torch.equal(dq, first[0])
+            else:
+                torch.testing.assert_close(dq, first[0], rtol=1e-2, atol=1e-2)

@@ -16,7 +16,7 @@ Same math as :mod:`fmha.backends.triton.backward` (P recomputed from Q, K and th
   consumer computes the whole tile, taking turns step by step (the other goes on to its next
   step). Both compute it transposed (dQᵀ = Kᵀ dSᵀ), which stores into shared memory without
   bank conflicts, and the bulk copy engine adds the tile from there into an fp32 buffer (a TMA
-  reduce-add). The order of the adds varies run to run: ``deterministic=True`` runs the portable
+  reduce-add); with DQ_LATE the tile is stored once the next step's first products are issued. The order of the adds varies run to run: ``deterministic=True`` runs the portable
   dQ kernel instead (:mod:`fmha.backends.gluon_sm90.backward_launch`).
 
 The row statistics come from a preparation kernel (:mod:`fmha.backends.triton.backward_rows`):
@@ -194,8 +194,8 @@ def _query_steps(
     batch, head, keys, position_base, m_first, m_begin, m_stop, q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     dropout, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
-    DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-    VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+    DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
 ):
     """Query blocks [m_begin, m_stop) of one head; the block at row m sits at ring position
     position_base + (m - m_first) / BLOCK_M. Packed sequences: rows past the sequence's end (the next
@@ -220,6 +220,8 @@ def _query_steps(
     dq_t_layout: gl.constexpr = accumulator_layout(BLOCK_M)  # [DQ_COLUMNS, BLOCK_M]: dQᵀ
     own_dq = dq_smem.index(CONSUMER)
     no_scores = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, layout=s_layout)
+    pending_dq = gl.zeros([DQ_COLUMNS, BLOCK_M], gl.float32, layout=dq_t_layout)  # DQ_LATE: the last step's dQᵀ
+    pending_m = -1  # its first row, or -1: none
     for m in range(m_begin, m_stop, BLOCK_M):
         position = position_base + (m - m_first) // BLOCK_M
         slot = position % STAGES
@@ -237,6 +239,10 @@ def _query_steps(
         dprobs_t = warpgroup_mma(v_rows, do.permute((1, 0)), no_scores, use_acc=False, is_async=True)
         if LSE_EARLY:  # read while the products run: behind them, shared memory answers slowly
             lse = lse_smem.index(slot).load(row_layout)  # log2 units; padded rows +inf
+        if DQ_LATE:  # the previous step's dQ tile leaves while this step's first products run
+            if pending_m >= 0:
+                _add_dq_tile(pending_dq, own_dq, dq_desc, [batch, head, q_start + pending_m, DQ_COLUMN0])
+            pending_m = -1
         scores_t = warpgroup_mma_wait(1, deps=(scores_t,))
         if not LSE_EARLY:
             lse = lse_smem.index(slot).load(row_layout)
@@ -296,15 +302,28 @@ def _query_steps(
                                      use_acc=False, is_async=True)
                 dq_t = warpgroup_mma_wait(0, deps=(dq_t,))
                 mbarrier.arrive(ds_free.index(buffer), count=1)
-                # The bulk copy engine adds the tile into the fp32 buffer; the previous one has been read.
-                tma.store_wait(0)
-                own_dq.reshape([BLOCK_M, DQ_COLUMNS]).permute((1, 0)).store(dq_t)
-                fence_async_shared()
-                tma_atomic_add(dq_desc, [batch, head, q_start + m, DQ_COLUMN0], own_dq)
+                if DQ_LATE:
+                    pending_dq = dq_t
+                    pending_m = m
+                else:
+                    _add_dq_tile(dq_t, own_dq, dq_desc, [batch, head, q_start + m, DQ_COLUMN0])
         else:
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
             mbarrier.arrive(q_free.index(slot), count=1)
+    if DQ_LATE:
+        if pending_m >= 0:
+            _add_dq_tile(pending_dq, own_dq, dq_desc, [batch, head, q_start + pending_m, DQ_COLUMN0])
     return dk, dv
+
+
+@gluon.jit
+def _add_dq_tile(dq_t, own_dq, dq_desc, coordinates):
+    """dQᵀ's tile into the consumer's shared buffer, then added into the fp32 buffer by the bulk
+    copy engine (a TMA reduce-add); the previous tile's add has read the buffer first."""
+    tma.store_wait(0)
+    own_dq.reshape([dq_t.shape[1], dq_t.shape[0]]).permute((1, 0)).store(dq_t)
+    fence_async_shared()
+    tma_atomic_add(dq_desc, coordinates, own_dq)
 
 
 @gluon.jit
@@ -322,8 +341,8 @@ def _consumer_partition(
     tile_slots,  # with DYNAMIC: where the load warp hands out tiles
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    LSE_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+    DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
      q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
@@ -347,7 +366,8 @@ def _consumer_partition(
                     kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale,
                     qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k,
                     seq_lo, seq_hi, sequence, ring_position, tile_count, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
-                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN,
+                    DROPOUT)
                 tile_count += 1
             handed += 1
             tile = take_tile(tile_slots, handed)
@@ -359,8 +379,8 @@ def _consumer_partition(
                            kv_ready, kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size,
                            scale, qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q,
                            k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
-                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN,
-                           DROPOUT)
+                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI,
+                           VARLEN, DROPOUT)
     tma.store_wait(0)
 
 
@@ -371,8 +391,8 @@ def _consumer_tile(
     batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence, ring_position, tile_count,
     rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    LSE_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
-):
+    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+    DROPOUT: gl.constexpr,):
     """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
     query block and query head that sees them, then their stores. Its query blocks sit at ring
     positions from ``ring_position`` on; returns the position after them. ``rng`` (DROPOUT):
@@ -413,17 +433,17 @@ def _consumer_tile(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
     mbarrier.arrive(kv_free, count=1)  # every product that reads K and V has completed
     own_staging = staging.index(CONSUMER)
     if DROPOUT:  # P·dO summed the kept probabilities
@@ -448,7 +468,8 @@ def attention_backward_hopper_kernel(
     dropout_threshold, scale, qk_scale, softcap_scale, dropout_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr,
+    DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):
     """One tile per (batch, KV head, key block of 64 x CONSUMERS keys), num_tiles of them: one
     program per tile, or with DYNAMIC persistent programs that take them from the int32 counter at
@@ -518,14 +539,14 @@ def attention_backward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

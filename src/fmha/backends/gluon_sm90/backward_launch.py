@@ -35,8 +35,10 @@ class HopperBackwardSchedule:
     narrow for that (64), take turns computing the whole tile. ``dynamic``: persistent programs take
     key blocks one at a time from a counter (:mod:`fmha.backends.gluon_sm90.tile_queue`) instead of
     one program per key block. ``lse_early``: a step reads its rows' LSE from shared memory while
-    its first products run, not after them (16 more registers live across them; builds with
-    softcap, ALiBi or dropout, whose registers are already short, read it after them).
+    its first products run, not after them (16 more registers live across them). ``dq_late``: a
+    step's dQ tile is stored and added after the next step has issued its first products (its 32
+    registers live across them; D = 64 only: the D = 128 consumer has no registers to spare).
+    Builds with softcap, ALiBi or dropout, whose registers are already short, take neither.
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -46,6 +48,7 @@ class HopperBackwardSchedule:
     consumers: int = 2
     dynamic: bool = False
     lse_early: bool = False
+    dq_late: bool = False
 
     def __post_init__(self):
         checks = {"block_m": self.block_m in (64, 128), "stages": 1 <= self.stages <= 4,
@@ -71,12 +74,12 @@ class HopperBackwardSchedule:
 
 
 def default_backward_schedule(head_dim: int) -> HopperBackwardSchedule:
-    """On the H100 (docs/perf.md, sessions 7 and 10): tiles taken one at a time at D = 64
-    (1.02-1.07x); at D = 128 one program per key block (shared memory holds one K/V block, so the
-    next tile's cannot load early; dynamic tiles lost 1-7% on causal and packed cases) and the LSE
-    read early (1.01-1.03x; at D = 64 it loses 1-3%)."""
+    """On the H100 (docs/perf.md, sessions 7 and 10): at D = 64 tiles taken one at a time
+    (1.02-1.07x) and dQ stored late (1.02-1.05x); at D = 128 one program per key block (shared
+    memory holds one K/V block, so the next tile's cannot load early; dynamic tiles lose 4-11% on
+    causal, window and packed cases) and the LSE read early (1.01-1.03x; at D = 64 it loses 1-3%)."""
     if head_dim <= 64:
-        return HopperBackwardSchedule(dynamic=True)
+        return HopperBackwardSchedule(dynamic=True, dq_late=True)
     return HopperBackwardSchedule(lse_early=True)
 
 
@@ -106,7 +109,9 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
     dq_block = schedule.dq_block(head_dim)
     constants = {"BLOCK_M": schedule.block_m, "STAGES": schedule.stages, "HAS_LEFT": has_left,
                  "HAS_RIGHT": has_right, "CONSUMERS": schedule.consumers, "COMPUTE_DQ": compute_dq,
-                 "DQ_ALTERNATE": schedule.dq_alternate(head_dim), "LSE_EARLY": schedule.lse_early and not features.modifies_scores,
+                 "DQ_ALTERNATE": schedule.dq_alternate(head_dim),
+                 "LSE_EARLY": schedule.lse_early and not features.modifies_scores,
+                 "DQ_LATE": schedule.dq_late and compute_dq and not features.modifies_scores,
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
                  "DYNAMIC": schedule.dynamic}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
