@@ -16,8 +16,9 @@ Same math as :mod:`fmha.backends.triton.backward` (P recomputed from Q, K and th
   consumer computes the whole tile, taking turns step by step (the other goes on to its next
   step). Both compute it transposed (dQᵀ = Kᵀ dSᵀ), which stores into shared memory without
   bank conflicts, and the bulk copy engine adds the tile from there into an fp32 buffer (a TMA
-  reduce-add); with DQ_LATE the tile is stored once the next step's first products are issued. The order of the adds varies run to run: ``deterministic=True`` runs the portable
-  dQ kernel instead (:mod:`fmha.backends.gluon_sm90.backward_launch`).
+  reduce-add); with DQ_LATE the tile is stored once the next step's first products are issued.
+  The order of the adds varies run to run: ``deterministic=True`` runs the portable dQ kernel
+  instead (:mod:`fmha.backends.gluon_sm90.backward_launch`).
 
 The row statistics come from a preparation kernel (:mod:`fmha.backends.triton.backward_rows`):
 delta and the LSE in log2 units, padded to whole query blocks (padded rows have LSE +inf, so P = 0
@@ -220,8 +221,9 @@ def _query_steps(
     dq_t_layout: gl.constexpr = accumulator_layout(BLOCK_M)  # [DQ_COLUMNS, BLOCK_M]: dQᵀ
     own_dq = dq_smem.index(CONSUMER)
     no_scores = gl.zeros([CONSUMER_KEYS, BLOCK_M], gl.float32, layout=s_layout)
-    pending_dq = gl.zeros([DQ_COLUMNS, BLOCK_M], gl.float32, layout=dq_t_layout)  # DQ_LATE: the last step's dQᵀ
-    pending_m = -1  # its first row, or -1: none
+    # DQ_LATE: the previous step's dQᵀ and its first row (-1: none), stored after this step's first products
+    pending_dq = gl.zeros([DQ_COLUMNS, BLOCK_M], gl.float32, layout=dq_t_layout)
+    pending_m = -1
     for m in range(m_begin, m_stop, BLOCK_M):
         position = position_base + (m - m_first) // BLOCK_M
         slot = position % STAGES
@@ -392,7 +394,8 @@ def _consumer_tile(
     rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
     LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-    DROPOUT: gl.constexpr,):
+    DROPOUT: gl.constexpr,
+):
     """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
     query block and query head that sees them, then their stores. Its query blocks sit at ring
     positions from ``ring_position`` on; returns the position after them. ``rng`` (DROPOUT):
