@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fmha.backends.gluon_sm90 import backend as hopper_backend
+from fmha.backends.gluon_sm90 import backward, backward_launch, launch
 from fmha.params import attention_params
 
 from .helpers import build_report
@@ -135,3 +136,18 @@ def test_backward_refusals_name_a_reason():
     params, q = _params(deterministic=True)
     reason = hopper_backend.HopperBackend().backward_refusal(params, q, q, q, q, q, q, q)
     assert "deterministic" in reason
+
+
+@pytest.mark.parametrize("head_dim, features, lse_early, dq_late", [
+    (128, launch.NO_FEATURES, True, False), (64, launch.NO_FEATURES, False, True),
+    (64, launch.ScoreFeatures(sinks=True), False, True), (128, launch.ScoreFeatures(alibi=1), False, False),
+    (64, launch.ScoreFeatures(dropout=True), False, False), (64, launch.ScoreFeatures(softcap=True), False, False)])
+def test_step_order_follows_head_dim_and_score_features(head_dim, features, lse_early, dq_late):
+    """The default schedules' early LSE (D = 128) and late dQ store (D = 64) hold registers across
+    the step's first products; builds that modify the scores (the sinks change only the LSE) skip them."""
+    schedule = backward_launch.default_backward_schedule(head_dim)
+    source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, False, True, schedule,
+                                                       features=features)
+    names = backward.attention_backward_hopper_kernel.arg_names
+    constants = {names[key[0]]: value for key, value in source.constants.items()}
+    assert (constants["LSE_EARLY"], constants["DQ_LATE"]) == (lse_early, dq_late)
