@@ -269,6 +269,16 @@ def sdpa_mask(name, batch, heads, seqlen_q, seqlen_k, dtype):
         lengths = torch.tensor([seqlen_k, seqlen_k // 3], device="cuda")
         keep = torch.arange(seqlen_k, device="cuda")[None, :] < lengths[:, None]
         return keep[:, None, None, :].expand(batch, heads, seqlen_q, seqlen_k)
+    if name == "bool_hidden_rows":  # every seventh row sees nothing: zeros
+        mask = dense > 0.2
+        mask[:, :, ::7] = False
+        return mask
+    if name in ("float32", "bfloat16"):  # with -inf entries
+        bias = (dense - 0.5) * 8
+        bias[..., ::5] = float("-inf")
+        return bias.to(getattr(torch, name))
+    if name == "shared_2d":  # (L, S): one mask for every batch and head
+        return dense[0, 0] > 0.5
     return (dense[0] > 0.5).transpose(-1, -2).contiguous().transpose(-1, -2)  # (H, L, S), column-major
 
 
@@ -287,3 +297,28 @@ def test_attn_mask_against_float64_and_torch_gpu(name, head_dim):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert_grads_close(grads, q, k, v, dout, attn_mask=mask)
+
+
+HOPPER_MASKS = ["bool", "bool_hidden_rows", "float32", "bfloat16", "padding_stride0", "shared_2d",
+                "bool_per_head_transposed"]
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(777, 1025), (1024, 2048), (129, 190)])
+@pytest.mark.parametrize("name", HOPPER_MASKS)
+def test_attn_mask_on_the_hopper_forward_gpu(name, seqlen_q, seqlen_k, head_dim, block_n):
+    """The Gluon forward with each mask form: pairs of keys read at once (even Sk, aligned rows),
+    one at a time (odd Sk), strided keys (the transposed mask); both key-block widths."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward runs on sm_90")
+    from fmha.params import attention_params, sdpa_attn_mask
+
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, 7)
+    k, v = (t.repeat_interleave(Q_HEADS // KV_HEADS, dim=1) for t in (k, v))
+    mask = sdpa_mask(name, 2, Q_HEADS, seqlen_q, seqlen_k, q.dtype)
+    view, kind = sdpa_attn_mask("t", mask, q.shape, seqlen_k, q.shape, q.dtype, q.device)
+    schedule = fmha.HopperSchedule(block_n=block_n, stages=3 if block_n == 64 else 2, q_buffers=2)
+    params = attention_params("t", q, k, v, top_left=True, attn_mask_kind=kind, config=schedule)
+    out, lse = ops.forward(q, k, v, params, ops.score_tensors(None, None, view, None))
+    assert_close_to_reference(out, q, k, v, lse=lse, atol=1e-5, attn_mask=mask)

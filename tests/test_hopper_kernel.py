@@ -54,8 +54,9 @@ for variant in json.loads(sys.argv[1]):
                               pingpong=PINGPONG_ON if "pingpong" in extra else PINGPONG_LONG_SOFTMAX)
     # The very source, signature and options the launcher compiles on a GPU.
     alibi = 2 if "alibi_causal" in extra else int("alibi" in extra)
+    mask = next((name[len("mask_"):] for name in extra if name.startswith("mask_") and name != "mask_strided"), "")
     features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=alibi, sinks="sinks" in extra,
-                                    dropout="dropout" in extra)
+                                    dropout="dropout" in extra, mask=mask, mask_keys=0 if "mask_strided" in extra else 2)
     source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left="left" in extra,
                                              varlen="varlen" in extra, features=features)
     try:
@@ -80,7 +81,10 @@ for variant in json.loads(sys.argv[1]):
         "slot_releases": len(re.findall(r"\bbar\.arrive\s+%r", compiled.asm["ptx"])),
         # the consumers' turns: named barriers of the two consumer warpgroups alone (256 threads)
         "turns": len(re.findall(r"\bbar\.(?:sync|arrive)\s+%r\d+,\s*256;", compiled.asm["ptx"])),
-        "global_atomics": len(re.findall(r"\batom\.global", compiled.asm["ptx"]))}
+        "global_atomics": len(re.findall(r"\batom\.global", compiled.asm["ptx"])),
+        # the attn_mask's loads: one per key pair, or per key where its keys are strided
+        "global_loads": {width: len(re.findall(r"\bLDG\.E" + suffix + r"\s", sass))
+                         for width, suffix in (("8", r"\.U8"), ("16", r"\.U16"), ("32", ""), ("64", r"\.64"))}}
 print(json.dumps(report))
 """
 
@@ -105,7 +109,10 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (64, True, 2, 128, 2, 8, 2, 1, "dynamic"), (128, True, 2, 128, 2, 0, 2, 1, "left", "dynamic"),
             (128, True, 2, 128, 2, 0, 2, 1, "varlen", "dynamic"), (64, True, 1, 64, 2, 0, 2, 3, "dynamic"),
             (128, True, 2, 128, 2, 0, 2, 1, "pingpong"), (64, True, 2, 128, 2, 8, 2, 1, "dynamic", "left", "pingpong"),
-            (64, True, 2, 128, 3, 8, 1, 1, "softcap", "varlen"), (64, True, 2, 128, 4, 8, 1, 1, "softcap")]
+            (64, True, 2, 128, 3, 8, 1, 1, "softcap", "varlen"), (64, True, 2, 128, 4, 8, 1, 1, "softcap"),
+            (128, False, 2, 64, 3, 0, 2, 1, "mask_bool"), (64, False, 2, 128, 2, 8, 2, 1, "mask_bool"),
+            (64, False, 1, 128, 2, 8, 2, 2, "mask_float32", "mask_strided"),
+            (128, False, 2, 64, 3, 0, 2, 1, "mask_bfloat16")]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +136,27 @@ def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
     # of it reserved per CTA) and 64k registers (the launch count, before setmaxnreg moves them).
     assert ctas_per_sm * (build["shared"] + 1024) <= 228 * 1024
     assert ctas_per_sm * build["maxnreg"] * 128 * (consumers + 1) <= 65536
+
+
+@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if any("mask_" in name for name in variant[8:])],
+                         ids=str)
+def test_attn_mask_builds_read_key_pairs_without_spilling(hopper_builds, variant):
+    """A bool mask at D = 128 with the shipped rule's 64-key blocks keeps the mask's words in
+    registers: at most a few scalars go to local memory at the kernel's start (a spilled tile would
+    be hundreds of stores; D = 64's 128-key blocks spill some and still run faster than 64-key ones,
+    docs/perf.md). Where the keys are contiguous a thread reads each of its key pairs in one load,
+    so a key block's loads are half its scores per thread."""
+    build = hopper_builds[",".join(map(str, variant))]
+    assert "error" not in build
+    if "mask_bool" in variant and variant[0] == 128:
+        assert build["counts"]["STL"] <= 16
+    loads = build["global_loads"]
+    element_bits = {"mask_bool": 8, "mask_bfloat16": 16, "mask_float32": 32}[variant[8]]
+    per_block = 64 * variant[3] // 128  # a warpgroup thread's scores of one key block
+    if "mask_strided" in variant:
+        assert loads[str(element_bits)] >= per_block
+    else:  # pairs only: never one element alone
+        assert loads[str(2 * element_bits)] >= per_block // 2 and loads[str(element_bits)] == 0
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
@@ -269,6 +297,29 @@ def test_shipped_rules_follow_the_measurements():
         assert schedules.shipped_schedule(attention_params("test", q, q, q, window=(left, 0)), "sm_90", 132)[0] == dynamic
     schedule, rule = schedules.shipped_schedule(params_of(8, 1024, 64, False), "sm_80", 108)
     assert schedule is None and "sm_80" in rule
+    # SDPA's attn_mask: bool masks at D = 128 take 64-key blocks, float ones the portable kernel
+    q = torch.empty(1, dtype=torch.bfloat16).expand(4, 16, 4096, 128)
+    masked = {kind: schedules.shipped_schedule(attention_params("test", q, q, q, attn_mask_kind=kind), "sm_90", 132)[0]
+              for kind in ("bool", "float32", "bfloat16")}
+    assert masked == {"bool": HopperSchedule(persistent=True, block_n=64, stages=3, q_buffers=2), "float32": None,
+                      "bfloat16": None}
+
+
+def test_mask_keys_layout_picks_the_build_from_the_strides():
+    """Paired loads need an even Sk and every row starting at an even element; strided keys get
+    their own build; broadcast (stride 0) and size-1 dimensions never break the pairing."""
+    from fmha.backends.gluon_sm90.scores import PAIRED_MASK_KEYS, STRIDED_MASK_KEYS, UNIT_MASK_KEYS
+
+    mask = torch.ones(2, 1, 64, 128, dtype=torch.bool)
+    assert launch.mask_keys_layout(mask.expand(2, 8, 64, 128)) == PAIRED_MASK_KEYS.value
+    assert launch.mask_keys_layout(mask[:, :, :1].expand(2, 8, 64, 128)) == PAIRED_MASK_KEYS.value
+    assert launch.mask_keys_layout(torch.ones(1, 1, 64, 127, dtype=torch.bool)) == UNIT_MASK_KEYS.value
+    odd_rows = torch.ones(1, 1, 64, 129, dtype=torch.bfloat16)[..., :128]  # rows start 129 elements apart
+    assert launch.mask_keys_layout(odd_rows) == UNIT_MASK_KEYS.value
+    assert launch.mask_keys_layout(torch.ones(1, 1, 63, 128)[..., 1:, :]) == PAIRED_MASK_KEYS.value
+    assert launch.mask_keys_layout(torch.ones(1, 1, 64, 129)[..., 1:]) == UNIT_MASK_KEYS.value  # base off by one
+    transposed = torch.ones(1, 1, 128, 64, dtype=torch.bool).transpose(-1, -2)
+    assert launch.mask_keys_layout(transposed) == STRIDED_MASK_KEYS.value
 
 
 @pytest.mark.parametrize("reason, pattern", [("dtype", "float16 or bfloat16"), ("head_dim", "head dim 96"),

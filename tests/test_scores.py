@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
 from fmha import ops
-from fmha.backends.gluon_sm90.backend import score_features_refusal
+from fmha.backends.gluon_sm90.backend import backward_score_features_refusal
 from fmha.backends.triton.config import SplitKVConfig
 from fmha.backends.triton.launch import dropout_keep_mask, dropout_threshold, kernel_dropout_p
 from fmha.backends.triton.scores import dropout_keep
@@ -481,9 +481,9 @@ def test_hopper_kernels_refuse_the_features_they_lack():
     q, k, v = random_qkv(1, 2, 2, 8, 8, 16, torch.float16)
     options = attention_params("t", q, k, v, softcap=2.0, sinks=torch.zeros(2), alibi_slopes=torch.ones(2),
                                dropout_p=0.1).options
-    assert score_features_refusal(options) is None
+    assert backward_score_features_refusal(options) is None
     options = attention_params("t", q, k, v, attn_mask_kind="bool").options
-    assert score_features_refusal(options) == "an attn_mask not built here yet"
+    assert backward_score_features_refusal(options) == "an attn_mask is not built in the Gluon backward"
     assert fmha.explain(q, k, v, softcap=2.0).backend == "triton"
 
 

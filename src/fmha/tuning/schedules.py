@@ -8,7 +8,8 @@ that matches gives the schedule, or ``null`` for the portable kernel. Conditions
 * ``seqlen_q_from`` / ``seqlen_q_below``: the query length is at least / under;
 * ``flops_below``: 4·B·Hq·Sq·Sk·D is under (the 128-row tiles would idle);
 * ``tiles_per_sm_below``: 128-row tiles per multiprocessor are under (the grid would not fill the GPU);
-* ``window``: the window has a left bound (sliding windows), or not.
+* ``window``: the window has a left bound (sliding windows), or not;
+* ``attn_mask``: SDPA's attn_mask is ``"bool"``, ``"float"`` (any float dtype) or ``""`` (none).
 
 An entry that ``fmha tune`` stored in the cache for the call's key comes before these rules.
 """
@@ -51,6 +52,7 @@ def _matches(when: dict, params: AttentionParams, multiprocessors: int) -> bool:
         "flops_below": lambda value: flops < value,
         "tiles_per_sm_below": lambda value: tiles < value * multiprocessors,
         "window": lambda value: (params.options.window_left is not None) == value,
+        "attn_mask": lambda value: _mask_class(params.options.attn_mask_kind) == value,
     }
     return all(tests[name](value) for name, value in when.items())
 
@@ -64,6 +66,10 @@ def shipped_schedule(params: AttentionParams, architecture: str,
     return None, f"no shipped rule for {architecture}"
 
 
+def _mask_class(kind: str) -> str:
+    return kind if kind in ("", "bool") else "float"
+
+
 def rule_conditions() -> tuple[str, ...]:
     return ("head_dim", "causal", "varlen", "seqlen_q_from", "seqlen_q_below", "flops_below", "tiles_per_sm_below",
-            "window")
+            "window", "attn_mask")

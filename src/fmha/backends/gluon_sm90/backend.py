@@ -37,10 +37,10 @@ def _tma_strides_ok(tensor: torch.Tensor) -> bool:
     return tma_compatible(tensor)
 
 
-def score_features_refusal(options) -> str | None:
-    """The score features the Gluon forward does not build (fmha.params.AttentionOptions), or None;
-    softcap, ALiBi, sinks and dropout are built, the portable kernel runs the attn_mask."""
-    return "an attn_mask not built here yet" if options.attn_mask_kind else None
+def backward_score_features_refusal(options) -> str | None:
+    """The score features the Gluon backward does not build (fmha.params.AttentionOptions), or None:
+    softcap, ALiBi, sinks and dropout are built; the portable backward runs SDPA's attn_mask."""
+    return "an attn_mask is not built in the Gluon backward" if options.attn_mask_kind else None
 
 
 class HopperBackend:
@@ -67,10 +67,6 @@ class HopperBackend:
             return "needs a positive scale (it is folded into exp2 after the row max)"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
-        if options.score_features:
-            reason = score_features_refusal(options)
-            if reason is not None:
-                return reason
         for name, tensor in zip("qkv", (q, k, v)):  # (B, H, S, D), or packed (total, H, D)
             if not _tma_strides_ok(tensor):
                 return f"{name}'s strides or base address cannot be described to TMA (16-byte multiples, unit last stride)"
@@ -96,7 +92,7 @@ class HopperBackend:
             return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
-        reason = self.refusal(params, *tensors[1:4])
+        reason = backward_score_features_refusal(options) or self.refusal(params, *tensors[1:4])
         if reason is not None:
             return reason
         from .backward_launch import backward_tensors_ok

@@ -56,7 +56,8 @@ from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from . import slot_barriers
 from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 from .masking import key_blocks, sequence_span, visible
-from .scores import ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, alibi_form, draw_layout, dropout_key, dropped, pair_rows, tanh_approx
+from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, NO_MASK, alibi_form, draw_layout, dropout_key, dropped,
+                     expand_mask, load_mask, mask_rows, masked_scores, pair_rows, tanh_approx)
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -222,7 +223,7 @@ def _scores(q, k, initial, mods, ALIBI: gl.constexpr):
     """Issues Q·Kᵀ (async), plus ALiBi's key term with ALIBI_CAUSAL_MMA."""
     scores = warpgroup_mma(q, k, initial, use_acc=False, is_async=True)
     if ALIBI == ALIBI_CAUSAL_MMA:
-        ones, terms = mods[4]
+        ones, terms = mods[5]
         scores = warpgroup_mma(ones, terms, scores, is_async=True)
     return scores
 
@@ -418,14 +419,15 @@ def _load_partition(
 def _softmax_block(
     scores,  # [ROWS, BLOCK_N] f32, Q·Kᵀ unscaled
     row_max, row_sum,  # [ROWS] f32, log2 units
-    rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods,
+    rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
-    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
 ):
     """Probabilities of the key block starting at key_start (its keys are key_start + keys0), the
     accumulator's rescale factor, the new max and sum. ``mods``: the score features' values
-    ``(softcap_scale, slope, row_positions, dropout)`` (:func:`_tile_mods`), and with
-    ALIBI_CAUSAL_MMA the key-term operands (:func:`_alibi_key_terms`).
+    ``(softcap_scale, slope, row_positions, dropout, mask_rows)`` (:func:`_tile_mods`), and with
+    ALIBI_CAUSAL_MMA the key-term operands (:func:`_alibi_key_terms`); ``mask_tile``: the block's
+    attn_mask with MASK (:func:`fmha.backends.gluon_sm90.scores.load_mask`).
 
     Each score is ``scores * qk_scale + row_shift`` in log2 units: without ALiBi the row shift is 0
     and the scale joins the max's subtraction in one FMA per score. With ALIBI_CAUSAL every visible
@@ -449,6 +451,11 @@ def _softmax_block(
             distance = (row_positions - key_start)[:, None] - _block_key_positions(keys0, key_start, 1.0)[None, :]
             scores = scores * qk_scale - slope * gl.abs(distance)
             qk_scale = 1.0
+    if MASK != NO_MASK:
+        element_type: gl.constexpr = mods[4].dtype.element_ty
+        s_layout: gl.constexpr = scores.type.layout
+        mask_tile = expand_mask(mask_tile, element_type, s_layout, MASK, MASK_KEYS)
+        scores, qk_scale = masked_scores(scores, qk_scale, mask_tile, MASK)
     if MASKED:
         # Block-relative keys: shift the window and the end of K by the block's first key.
         seen = visible(rows[:, None], keys0[None, :], seqlen_k - key_start, lo - key_start, hi - key_start,
@@ -474,16 +481,32 @@ def _block_key_positions(keys0, key_start, factor):
 
 
 @gluon.jit
-def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, dropout, ALIBI: gl.constexpr):
-    """``(softcap_scale, slope, row_positions, dropout)`` of a tile: its head's ALiBi slope (log2
-    units; 0 where off), the rows' positions ``i + Sk - Sq`` as floats, and ``dropout``
-    (:func:`_tile_dropout`) as given."""
+def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, dropout, ALIBI: gl.constexpr,
+               MASK: gl.constexpr, MASK_KEYS: gl.constexpr):
+    """``(softcap_scale, slope, row_positions, dropout, mask_rows)`` of a tile: its head's ALiBi
+    slope (log2 units; 0 where off), the rows' positions ``i + Sk - Sq`` as floats, ``dropout``
+    (:func:`_tile_dropout`) as given, and the rows' pointers into the attn_mask
+    (:func:`fmha.backends.gluon_sm90.scores.mask_rows`; 0 without MASK)."""
     AlibiSlopes, stride_ab, stride_ah, softcap_scale = score_args[0], score_args[1], score_args[2], score_args[3]
     slope = 0.0
     if ALIBI:
         slope = gl.load(AlibiSlopes + sequence.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
     row_positions = (rows + (seqlen_k - seqlen_q)).to(gl.float32)
-    return softcap_scale, slope, row_positions, dropout
+    row_pointers = 0
+    if MASK != NO_MASK:
+        row_pointers = mask_rows(score_args[9], sequence, head, rows, seqlen_q, score_args[10], MASK_KEYS)
+    return softcap_scale, slope, row_positions, dropout, row_pointers
+
+
+@gluon.jit
+def _block_mask(mods, key_start, keys0, seqlen_k, score_args, MASKED: gl.constexpr, MASK: gl.constexpr,
+                MASK_KEYS: gl.constexpr):
+    """The attn_mask's tile of a key block (0 without MASK), loaded while the block's scores are computed."""
+    tile = 0
+    if MASK != NO_MASK:
+        s_layout: gl.constexpr = keys0.type.layout.parent
+        tile = load_mask(mods[4], key_start, seqlen_k, score_args[10][3], s_layout, MASKED, MASK_KEYS)
+    return tile
 
 
 @gluon.jit
@@ -499,30 +522,31 @@ def _tile_dropout(first_row, rng_row, rng_key, threshold, ROWS: gl.constexpr, BL
 
 
 @gluon.jit
-def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, masked,
+def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, masked,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
-                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr):
+                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr):
     """The first block of a tile: nothing to rescale yet."""
     row_max = gl.full([scores.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     row_sum = gl.zeros([scores.shape[0]], gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     if masked:
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, True, HAS_LEFT,
-            HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, True,
+            HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
     else:
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, False, HAS_LEFT,
-            HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, False,
+            HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
     return probs, row_max, row_sum
 
 
 @gluon.jit
 def _pipelined_blocks(
     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
-    rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods,
+    rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods, score_args,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, TURN: gl.constexpr,
+    MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
 ):
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
     sits at ring position ring_base + b. ``probs``: those of the block before, dropout applied."""
@@ -540,6 +564,7 @@ def _pipelined_blocks(
             p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
             _take_turn(TURN)
         scores = _scores(q, k, no_scores, mods, ALIBI)
+        mask_tile = _block_mask(mods, block * BLOCK_N, keys0, seqlen_k, score_args, MASKED, MASK, MASK_KEYS)
         mbarrier.wait(v_ready.index(prev_slot), ((position - 1) // STAGES) & 1)
         v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
         if TURN < 0:
@@ -550,8 +575,8 @@ def _pipelined_blocks(
         scores = warpgroup_mma_wait(1, deps=(scores,))
         slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
         probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods,
-            MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+            scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods, mask_tile,
+            MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
         if DROPOUT:  # the row sum counts every probability, P·V only the kept ones
             probs = dropped(probs, block * BLOCK_N, mods[3])
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -594,7 +619,7 @@ def _consumer_tile(
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr, TURN: gl.constexpr,
+    DYNAMIC: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
 ):
     """One tile of a consumer: its 64 rows' output and LSE. ``step``: the program's step, or with
     DYNAMIC the tile itself; returns the ring position and tile count after it."""
@@ -629,7 +654,7 @@ def _consumer_tile(
         if DROPOUT:  # counter rows as the portable kernels number them: (batch, head, row), or (head, packed row)
             rng_row = (batch * num_q_heads + head).to(gl.int64) * seqlen_q + q_start
             dropout = _tile_dropout(row0, rng_row, rng_key, score_args[7], ROWS, BLOCK_N)
-        mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, dropout, ALIBI)
+        mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, dropout, ALIBI, MASK, MASK_KEYS)
         if ALIBI == ALIBI_CAUSAL_MMA:
             mods = mods + (_alibi_key_terms(o_smem.index(CONSUMER), mods[1], qk_scale, BLOCK_N),)
         row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
@@ -646,11 +671,13 @@ def _consumer_tile(
             _take_turn(TURN)
             scores = _scores(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), mods, ALIBI)
             _pass_turn(TURN)
+            mask_tile = _block_mask(mods, start * BLOCK_N, keys0, seq_k, score_args, True, MASK, MASK_KEYS)
             scores = warpgroup_mma_wait(0, deps=(scores,))
             slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
             probs, row_max, row_sum = _softmax_first_block(
-                scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods,
-                (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI)
+                scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods, mask_tile,
+                (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK,
+                MASK_KEYS)
             if DROPOUT:
                 probs = dropped(probs, start * BLOCK_N, mods[3])
             # Blocks wholly visible to every row run without masks; the window's edges and the end
@@ -661,18 +688,18 @@ def _consumer_tile(
                 acc, probs, row_max, row_sum = _pipelined_blocks(
                     acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                     rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
-                    mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
-                    DROPOUT, TURN)
+                    mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
+                    SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
-                mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
-                DROPOUT, TURN)
+                mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
+                SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
             acc, probs, row_max, row_sum = _pipelined_blocks(
                 acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
-                mods, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI,
-                DROPOUT, TURN)
+                mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
+                SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
             last = ring_position + end - start - 1
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
@@ -732,7 +759,7 @@ def _consumer_partition(
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
+    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
 ):
     num_tiles, seqlen_k, score_args = shared[10], shared[15], shared[19]
     TURN: gl.constexpr = CONSUMER if PINGPONG else -1
@@ -749,14 +776,16 @@ def _consumer_partition(
         while tile < num_tiles:
             ring_position, tile_count = _consumer_tile(
                 tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
-                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN)
+                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
+                MASK_KEYS)
             handed += 1
             tile = take_tile(tile_slots, handed)
     else:
         for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
             ring_position, tile_count = _consumer_tile(
                 step, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
-                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN)
+                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
+                MASK_KEYS)
     if TURN == 0:  # take consumer 1's last turn: no named barrier is left half-arrived
         _take_turn(TURN)
     tma.store_wait(0)
@@ -765,14 +794,14 @@ def _consumer_partition(
 @gluon.jit
 def attention_forward_hopper_kernel(
     q_desc, k_desc, v_desc, o_desc, Lse, Out, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Sinks, RngState, TileCounter,
-    stride_lh, stride_om, stride_oh, stride_ab, stride_ah, stride_sh,
+    Mask, stride_lh, stride_om, stride_oh, stride_ab, stride_ah, stride_sh, stride_mb, stride_mh, stride_mm, stride_mn,
     num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, softcap_scale, dropout_threshold, dropout_scale,
     num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
     HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr,
+    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; with DYNAMIC they take them
     from the int32 counter at TileCounter (zero at launch) instead, one at a time, longest first; descriptors are (B, H, S, D)
@@ -788,7 +817,10 @@ def attention_forward_hopper_kernel(
     stride_ab, stride_ah; stride_ab 0 for (Hq,); ALIBI_CAUSAL where no row sees a key after its
     position), SINKS (one per query head, stride_sh), DROPOUT (the int64 Philox seed at RngState;
     a draw >= ``dropout_threshold``, from 1 to 2^16, keeps its probability in P·V, and the output
-    is scaled by ``dropout_scale``; the statistics and the LSE are those before dropout)."""
+    is scaled by ``dropout_scale``; the statistics and the LSE are those before dropout), MASK
+    (SDPA's attn_mask of (batch, head) at ``Mask + batch · stride_mb + head · stride_mh``, strides
+    in elements; BOOL_MASK: int8, 0 hides the key; FLOAT_MASK: added to the scores; MASK_KEYS: how
+    its keys lie, :data:`fmha.backends.gluon_sm90.scores.PAIRED_MASK_KEYS` and the others)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype)
@@ -811,7 +843,7 @@ def attention_forward_hopper_kernel(
         tile_slots = allocate_tile_slots(TileCounter, CONSUMERS)
 
     score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, Sinks, stride_sh, RngState, dropout_threshold,
-                  dropout_scale)
+                  dropout_scale, Mask, (stride_mb, stride_mh, stride_mm, stride_mn))
     shared = (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
               num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args)
     load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready,
@@ -825,25 +857,25 @@ def attention_forward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
              (_consumer_partition, (shared, tile_slots, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

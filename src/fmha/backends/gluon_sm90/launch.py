@@ -16,7 +16,8 @@ from ...runtime import KernelBuildError, multiprocessors, run_compiled
 from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout_threshold, window_bounds
 from ..triton.forward import LOG2_E
 from .forward import attention_forward_hopper_kernel, register_budget
-from .scores import ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF
+from .scores import (ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF, BOOL_MASK, FLOAT_MASK, NO_MASK, PAIRED_MASK_KEYS,
+                     STRIDED_MASK_KEYS, UNIT_MASK_KEYS)
 from .schedule import CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule
 
 
@@ -50,17 +51,22 @@ class _HostDescriptor:
 class ScoreFeatures:
     """The score features a Gluon kernel is built with (fmha.backends.gluon_sm90.scores); ``alibi``
     is the ALIBI constexpr: 0 off, 1 any window, 2 (forward only) no key after a row's position;
-    ``dropout``: some probability can be dropped (a p that rounds to 0 drops none: built without)."""
+    ``dropout``: some probability can be dropped (a p that rounds to 0 drops none: built without);
+    ``mask``: SDPA's attn_mask kind (fmha.params.AttentionOptions.attn_mask_kind; forward only),
+    ``mask_keys``: how its keys lie (the MASK_KEYS constexpr, :func:`mask_keys_layout`; a call's
+    mask picks the build, :class:`HopperForward`)."""
 
     softcap: bool = False
     alibi: int = 0
     sinks: bool = False
     dropout: bool = False
+    mask: str = ""
+    mask_keys: int = PAIRED_MASK_KEYS.value
 
     @classmethod
     def of(cls, options) -> "ScoreFeatures":
         return cls(options.softcap > 0, ALIBI_ANY.value if options.has_alibi else ALIBI_OFF.value, options.has_sinks,
-                   dropout_threshold(options.dropout_p) > 0)
+                   dropout_threshold(options.dropout_p) > 0, options.attn_mask_kind)
 
     @classmethod
     def forward_of(cls, params: AttentionParams) -> "ScoreFeatures":
@@ -78,7 +84,12 @@ class ScoreFeatures:
     @property
     def modifies_scores(self) -> bool:
         """Whether the kernel computes more per score than the plain softmax (the sinks change only the LSE)."""
-        return bool(self.softcap or self.alibi or self.dropout)
+        return bool(self.softcap or self.alibi or self.dropout or self.mask)
+
+    @property
+    def mask_constexpr(self) -> int:
+        """The MASK constexpr (fmha.backends.gluon_sm90.scores): 0 none, 1 bool, 2 float."""
+        return {"": NO_MASK.value, "bool": BOOL_MASK.value}.get(self.mask, FLOAT_MASK.value)
 
     def scalars(self, options) -> tuple[float, float]:
         """``(qk_scale, softcap_scale)``: ``scale / softcap`` and ``softcap · log2 e`` with a softcap,
@@ -95,6 +106,20 @@ class ScoreFeatures:
 
 
 NO_FEATURES = ScoreFeatures()
+
+
+def mask_keys_layout(mask: torch.Tensor) -> int:
+    """The MASK_KEYS constexpr of a (B, H, Sq, Sk) attn_mask: paired where Sk is even and every row
+    of every (batch, head) starts at a multiple of two elements (strides of dimensions of size 1
+    are never multiplied by more than 0)."""
+    strides = mask.stride()
+    if strides[3] != 1 and mask.shape[3] > 1:
+        return STRIDED_MASK_KEYS.value
+    pair = 2 * mask.element_size()
+    if mask.shape[3] % 2 == 0 and mask.data_ptr() % pair == 0 and all(
+            stride % 2 == 0 or size == 1 for size, stride in zip(mask.shape[:3], strides[:3])):
+        return PAIRED_MASK_KEYS.value
+    return UNIT_MASK_KEYS.value
 
 
 def takes_turns(schedule: HopperSchedule, features: ScoreFeatures) -> bool:
@@ -122,6 +147,9 @@ def score_arguments(scores, placeholder: torch.Tensor) -> tuple:
 
 
 _STRIDE_ARGS = ("stride_lh", "stride_om", "stride_oh", "stride_ab", "stride_ah", "stride_sh")
+_MASK_STRIDE_ARGS = ("stride_mb", "stride_mh", "stride_mm", "stride_mn")
+# The attn_mask's element type by its kind (bool is read as bytes); without a mask, an unread pointer.
+_MASK_POINTER_TYPES = {"": "*i8", "bool": "*i8", "float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}
 _INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi")
 
 
@@ -130,7 +158,7 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
     ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one;
-    ``varlen``: packed sequences; ``features``: softcap, ALiBi, sinks and dropout switched on.
+    ``varlen``: packed sequences; ``features``: softcap, ALiBi, sinks, dropout and the attn_mask.
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
     """
@@ -145,12 +173,14 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm, "VARLEN": varlen,
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "SINKS": features.sinks,
                  "DROPOUT": features.dropout, "DYNAMIC": schedule.dynamic,
-                 "PINGPONG": takes_turns(schedule, features)}
+                 "PINGPONG": takes_turns(schedule, features), "MASK": features.mask_constexpr,
+                 "MASK_KEYS": features.mask_keys}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",
                  "AlibiSlopes": "*fp32", "Sinks": "*fp32", "RngState": "*i64", "TileCounter": "*i32",
-                 **dict.fromkeys(_STRIDE_ARGS, "i32"),
+                 "Mask": _MASK_POINTER_TYPES[features.mask], **dict.fromkeys(_STRIDE_ARGS, "i32"),
+                 **dict.fromkeys(_MASK_STRIDE_ARGS, "i64"),
                  **dict.fromkeys(_INTEGER_ARGS, "i32"), "qk_scale": "fp32", "softcap_scale": "fp32",
                  "dropout_threshold": "i32", "dropout_scale": "fp32", "num_tiles": "i32",
                  **dict.fromkeys(constants, "constexpr")}
@@ -208,18 +238,21 @@ class HopperForward:
     made before each launch. Calls with score features pass ``scores=ScoreTensors(...)``.
     """
 
-    __slots__ = ("schedule", "compiled", "grid", "integers", "scalars", "device", "tile_list", "varlen")
+    __slots__ = ("schedule", "compiled", "grid", "integers", "scalars", "device", "tile_list", "varlen", "build",
+                 "mask_builds")
 
     def __init__(self, params: AttentionParams, schedule: HopperSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
         self.schedule, self.device, self.varlen = schedule, params.device, params.varlen
         features = ScoreFeatures.forward_of(params)
-        built = compiled_hopper_forward(params.device, params.dtype, params.head_dim, has_right, schedule, has_left,
-                                        params.varlen, features)
+        self.build = (params.device, params.dtype, params.head_dim, has_right, schedule, has_left, params.varlen,
+                      features)
+        built = compiled_hopper_forward(*self.build)
         if isinstance(built, KernelBuildError):
             raise built
         compiled, constants = built
         self.compiled = compiled
+        self.mask_builds = {features.mask_keys: compiled}  # by MASK_KEYS
         if params.varlen:
             self.tile_list = TileList(params.batch, params.total_q, schedule.block_m, from_end=False)
             num_tiles = self.tile_list.entries * params.q_heads
@@ -252,7 +285,23 @@ class HopperForward:
         rng_state = lse if scores is None or scores.rng_state is None else scores.rng_state
         # A counter per call: launches on other streams cannot share it.
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.schedule.dynamic else lse
-        run_compiled(self.compiled, self.grid, self.device,
-                     (*descriptors, lse, out, *sequences, alibi, sinks, rng_state, counter, *strides, *score_strides,
-                      *self.integers))
-        return self.compiled
+        compiled = self.compiled
+        mask = None if scores is None else scores.attn_mask
+        if mask is None:
+            mask, mask_strides = lse, (0, 0, 0, 0)
+        else:  # (B, Hq, Sq, Sk), stride 0 where it broadcasts
+            mask_strides = mask.stride()
+            compiled = self.mask_builds.get(mask_keys_layout(mask)) or self._mask_build(mask_keys_layout(mask))
+        run_compiled(compiled, self.grid, self.device,
+                     (*descriptors, lse, out, *sequences, alibi, sinks, rng_state, counter, mask, *strides,
+                      *score_strides, *mask_strides, *self.integers))
+        return compiled
+
+    def _mask_build(self, mask_keys: int):
+        """The build for an attn_mask whose keys lie otherwise than the first call's."""
+        *build, features = self.build
+        built = compiled_hopper_forward(*build, dataclasses.replace(features, mask_keys=mask_keys))
+        if isinstance(built, KernelBuildError):
+            raise built
+        self.mask_builds[mask_keys] = built[0]
+        return built[0]

@@ -3,8 +3,9 @@
 The contract of :mod:`fmha.backends.triton.scores` (the design's order: ``scale · q·kᵀ``, then
 ``softcap · tanh(s / softcap)``, then ALiBi's ``-slope_h · |pos(i) - j|`` with ``pos(i) = i + Sk - Sq``;
 results in log2 units for exp2; dropout on P), written again because a Gluon kernel cannot call
-``triton.jit`` helpers. Sinks join each row's denominator where the kernels normalise it; the
-attn_mask is not built here (the backend refuses it).
+``triton.jit`` helpers. Sinks join each row's denominator where the kernels normalise it. SDPA's
+attn_mask (bool: False hides the key; float: added to the scores) is read where the scores are,
+one element per score in the accumulator's own layout (:func:`load_mask`), while the products run.
 
 The softcap's tanh is one ``tanh.approx.f32`` (MUFU, maximum relative error about 2^-11, as in
 FlashAttention-3) instead of an exp2 and a division: the softmax's exp2 already keeps that unit
@@ -26,6 +27,8 @@ same counter for the other four (:func:`transposed_draw_layout`).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ..triton.scores import BOOL_MASK, FLOAT_MASK, LOG2_E, NO_MASK  # noqa: F401 - SDPA's attn_mask, the MASK constexpr
+
 
 # The ALIBI constexpr: off, the distance both ways, or only keys at or before each row's position
 # (causal without a right window), where the bias is linear in the key.
@@ -35,6 +38,120 @@ ALIBI_CAUSAL: gl.constexpr = gl.constexpr(2)
 # The forward's form of ALIBI_CAUSAL where the tensor cores add the key term to the scores (one more
 # k-step of Q·Kᵀ against a tile of the terms), leaving only a shift per row.
 ALIBI_CAUSAL_MMA: gl.constexpr = gl.constexpr(3)
+
+
+# How the attn_mask's keys lie in memory, the MASK_KEYS constexpr: any stride; stride 1; stride 1
+# with every row's start a multiple of two elements, so that a thread reads its accumulator's key
+# pairs (2c, 2c + 1) in one load.
+STRIDED_MASK_KEYS: gl.constexpr = gl.constexpr(0)
+UNIT_MASK_KEYS: gl.constexpr = gl.constexpr(1)
+PAIRED_MASK_KEYS: gl.constexpr = gl.constexpr(2)
+
+
+@gluon.constexpr_function
+def key_pair_layout(columns):
+    """The layout of a [64, columns // 2] tile of key pairs, pair c holding keys 2c and 2c + 1 of a
+    consumer warpgroup's [64, columns] accumulator (``NVMMADistributedLayout`` version 3): each
+    thread holds its scores' pairs, so that splitting each into two keys (:func:`expand_mask`) gives
+    the accumulator's layout with no data moving."""
+    registers = [[8, 0]] + [[0, 4 << bit] for bit in range((columns // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, columns // 2])
+
+
+@gluon.jit
+def mask_rows(Mask, batch, head, rows, seqlen_q, strides, MASK_KEYS: gl.constexpr):
+    """Pointers to the rows ``rows`` of the (batch, head)'s attn_mask; ``strides``: ``(stride_mb,
+    stride_mh, stride_mm, stride_mn)`` in elements. Rows past the end point at the last row (their
+    scores are never stored), so that the loads need no predicate for them."""
+    stride_mb, stride_mh, stride_mm = strides[0], strides[1], strides[2]
+    base = Mask + batch.to(gl.int64) * stride_mb + head.to(gl.int64) * stride_mh
+    return base + gl.minimum(rows, seqlen_q - 1).to(gl.int64) * stride_mm
+
+
+@gluon.constexpr_function
+def _pair_type(element_bits):
+    """The integer type of two mask elements."""
+    return {8: gl.int16, 16: gl.int32, 32: gl.int64}[element_bits]
+
+
+@gluon.jit
+def load_mask(row_pointers, key_start, seqlen_k, stride_mn, layout: gl.constexpr, MASKED: gl.constexpr,
+              MASK_KEYS: gl.constexpr):
+    """The attn_mask's tile of rows ``row_pointers`` (:func:`mask_rows`, [ROWS]) and BLOCK_N keys
+    from ``key_start`` (a multiple of BLOCK_N) for the accumulator ``layout``, as loaded: give it
+    to :func:`expand_mask` where it is used, so that only the loaded words stay live meanwhile.
+    Keys past ``seqlen_k`` read 0 (only blocks with MASKED reach them).
+
+    PAIRED_MASK_KEYS reads each thread's key pairs (2c, 2c + 1) as one integer (half the loads and
+    registers; the launcher checks the alignment and that Sk is even); the other forms read
+    elements, UNIT_MASK_KEYS at a row's address plus a constant."""
+    BLOCK_N: gl.constexpr = layout.instr_shape[1]
+    if MASK_KEYS == PAIRED_MASK_KEYS:
+        pair_layout: gl.constexpr = key_pair_layout(BLOCK_N)
+        word_type: gl.constexpr = _pair_type(row_pointers.dtype.element_ty.primitive_bitwidth)
+        pairs = key_start // 2 + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(0, pair_layout))
+        rows = gl.convert_layout(row_pointers.to(gl.pointer_type(word_type), bitcast=True),
+                                 gl.SliceLayout(1, pair_layout))
+        pointers = rows[:, None] + pairs[None, :]
+        if MASKED:
+            pointers, in_range = gl.broadcast(pointers, (pairs < seqlen_k // 2)[None, :])
+            tile = gl.load(pointers, mask=in_range, other=0)
+        else:
+            tile = gl.load(pointers)
+    else:
+        keys = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        if MASK_KEYS == STRIDED_MASK_KEYS:
+            offsets = keys.to(gl.int64) * stride_mn
+        else:
+            offsets = keys
+        pointers = row_pointers[:, None] + offsets[None, :]
+        if MASKED:
+            pointers, in_range = gl.broadcast(pointers, (keys < seqlen_k)[None, :])
+            tile = gl.load(pointers, mask=in_range, other=0)
+        else:
+            tile = gl.load(pointers)
+    return tile
+
+
+@gluon.jit
+def expand_mask(tile, element_type: gl.constexpr, layout: gl.constexpr, MASK: gl.constexpr,
+                MASK_KEYS: gl.constexpr):
+    """:func:`load_mask`'s tile in the accumulator ``layout``: with BOOL_MASK whether each key takes
+    part, with FLOAT_MASK the float32 bias. ``element_type``: the mask's element type."""
+    if MASK_KEYS == PAIRED_MASK_KEYS:
+        BITS: gl.constexpr = element_type.primitive_bitwidth
+        if BITS == 8:  # bool
+            low = (tile & 0xFF) != 0
+            high = (tile >> 8) != 0  # the sign extends into bits that stay 0 or nonzero alike
+        elif BITS == 32:  # float32
+            low = (tile & 0xFFFFFFFF).to(gl.uint32).to(gl.float32, bitcast=True)
+            high = (tile >> 32).to(gl.uint32).to(gl.float32, bitcast=True)
+        elif element_type == gl.bfloat16:  # its bits are a float32's high half
+            low = (tile << 16).to(gl.float32, bitcast=True)
+            high = (tile & -65536).to(gl.float32, bitcast=True)
+        else:  # float16
+            low = (tile & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+            high = (tile >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        ROWS: gl.constexpr = tile.shape[0]
+        tile = gl.convert_layout(gl.join(low, high).reshape([ROWS, 2 * tile.shape[1]]), layout, assert_trivial=True)
+    elif MASK == BOOL_MASK:
+        tile = tile != 0
+    else:
+        tile = tile.to(gl.float32)
+    return tile
+
+
+@gluon.jit
+def masked_scores(scores, qk_scale, mask_tile, MASK: gl.constexpr):
+    """``(scores, qk_scale)`` after SDPA's attn_mask (:func:`expand_mask`'s tile): a bool one hides
+    keys (-inf), a float one is added in log2 units, after the scale (which is then 1)."""
+    if MASK == BOOL_MASK:
+        scores = gl.where(mask_tile, scores, float("-inf"))
+    elif MASK == FLOAT_MASK:
+        scores = scores * qk_scale + mask_tile * LOG2_E
+        qk_scale = 1.0
+    return scores, qk_scale
 
 
 @gluon.constexpr_function
