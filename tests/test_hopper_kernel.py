@@ -142,14 +142,14 @@ def test_compiles_to_warpgroup_mma_with_tensor_copies(hopper_builds, variant):
                          ids=str)
 def test_attn_mask_builds_read_key_pairs_without_spilling(hopper_builds, variant):
     """A bool mask at D = 128 with the shipped rule's 64-key blocks keeps the mask's words in
-    registers: at most a few scalars go to local memory at the kernel's start (a spilled tile would
-    be hundreds of stores; D = 64's 128-key blocks spill some and still run faster than 64-key ones,
-    docs/perf.md). Where the keys are contiguous a thread reads each of its key pairs in one load,
+    registers: fewer local-memory stores than a tile has registers per thread (7 with triton 3.6,
+    22 with 3.9, scalars; the spilled tiles of 128-key blocks showed hundreds; D = 64's 128-key
+    blocks spill some and still run faster than 64-key ones, docs/perf.md). Where the keys are contiguous a thread reads each of its key pairs in one load,
     so a key block's loads are half its scores per thread."""
     build = hopper_builds[",".join(map(str, variant))]
     assert "error" not in build
     if "mask_bool" in variant and variant[0] == 128:
-        assert build["counts"]["STL"] <= 16
+        assert build["counts"]["STL"] < 64
     loads = build["global_loads"]
     element_bits = {"mask_bool": 8, "mask_bfloat16": 16, "mask_float32": 32}[variant[8]]
     per_block = 64 * variant[3] // 128  # a warpgroup thread's scores of one key block
