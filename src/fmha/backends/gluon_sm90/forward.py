@@ -482,7 +482,7 @@ def _block_key_positions(keys0, key_start, factor):
 
 @gluon.jit
 def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, dropout, ALIBI: gl.constexpr,
-               MASK: gl.constexpr, MASK_KEYS: gl.constexpr):
+               MASK: gl.constexpr):
     """``(softcap_scale, slope, row_positions, dropout, mask_rows)`` of a tile: its head's ALiBi
     slope (log2 units; 0 where off), the rows' positions ``i + Sk - Sq`` as floats, ``dropout``
     (:func:`_tile_dropout`) as given, and the rows' pointers into the attn_mask
@@ -494,7 +494,7 @@ def _tile_mods(score_args, sequence, head, rows, seqlen_q, seqlen_k, dropout, AL
     row_positions = (rows + (seqlen_k - seqlen_q)).to(gl.float32)
     row_pointers = 0
     if MASK != NO_MASK:
-        row_pointers = mask_rows(score_args[9], sequence, head, rows, seqlen_q, score_args[10], MASK_KEYS)
+        row_pointers = mask_rows(score_args[9], sequence, head, rows, seqlen_q, score_args[10])
     return softcap_scale, slope, row_positions, dropout, row_pointers
 
 
@@ -654,7 +654,7 @@ def _consumer_tile(
         if DROPOUT:  # counter rows as the portable kernels number them: (batch, head, row), or (head, packed row)
             rng_row = (batch * num_q_heads + head).to(gl.int64) * seqlen_q + q_start
             dropout = _tile_dropout(row0, rng_row, rng_key, score_args[7], ROWS, BLOCK_N)
-        mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, dropout, ALIBI, MASK, MASK_KEYS)
+        mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, dropout, ALIBI, MASK)
         if ALIBI == ALIBI_CAUSAL_MMA:
             mods = mods + (_alibi_key_terms(o_smem.index(CONSUMER), mods[1], qk_scale, BLOCK_N),)
         row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)

@@ -291,7 +291,8 @@ class HopperForward:
             mask, mask_strides = lse, (0, 0, 0, 0)
         else:  # (B, Hq, Sq, Sk), stride 0 where it broadcasts
             mask_strides = mask.stride()
-            compiled = self.mask_builds.get(mask_keys_layout(mask)) or self._mask_build(mask_keys_layout(mask))
+            layout = mask_keys_layout(mask)
+            compiled = self.mask_builds.get(layout) or self._mask_build(layout)
         run_compiled(compiled, self.grid, self.device,
                      (*descriptors, lse, out, *sequences, alibi, sinks, rng_state, counter, mask, *strides,
                       *score_strides, *mask_strides, *self.integers))

@@ -60,7 +60,7 @@ def key_pair_layout(columns):
 
 
 @gluon.jit
-def mask_rows(Mask, batch, head, rows, seqlen_q, strides, MASK_KEYS: gl.constexpr):
+def mask_rows(Mask, batch, head, rows, seqlen_q, strides):
     """Pointers to the rows ``rows`` of the (batch, head)'s attn_mask; ``strides``: ``(stride_mb,
     stride_mh, stride_mm, stride_mn)`` in elements. Rows past the end point at the last row (their
     scores are never stored), so that the loads need no predicate for them."""
