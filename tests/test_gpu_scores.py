@@ -322,3 +322,28 @@ def test_attn_mask_on_the_hopper_forward_gpu(name, seqlen_q, seqlen_k, head_dim,
     params = attention_params("t", q, k, v, top_left=True, attn_mask_kind=kind, config=schedule)
     out, lse = ops.forward(q, k, v, params, ops.score_tensors(None, None, view, None))
     assert_close_to_reference(out, q, k, v, lse=lse, atol=1e-5, attn_mask=mask)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(777, 1025), (1100, 300)])
+@pytest.mark.parametrize("name", HOPPER_MASKS)
+def test_attn_mask_on_the_hopper_backward_gpu(name, seqlen_q, seqlen_k, head_dim):
+    """The Gluon backward with each mask form (its [keys, rows] tiles read with 32-bit offsets):
+    dQ, dK and dV against float64, and the Gluon backward is the one that ran."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are built for sm_90")
+    from fmha import dispatch
+    from fmha.params import attention_params, sdpa_attn_mask
+
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, 9)
+    k, v = (t.repeat_interleave(Q_HEADS // KV_HEADS, dim=1) for t in (k, v))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = sdpa_mask(name, 2, Q_HEADS, seqlen_q, seqlen_k, q.dtype)
+    view, kind = sdpa_attn_mask("t", mask, q.shape, seqlen_k, q.shape, q.dtype, q.device)
+    params = attention_params("t", q, k, v, top_left=True, attn_mask_kind=kind)
+    hopper, reason = dispatch.hopper_backward(params, q, q, k, v, q, k, v, attn_mask=view)
+    assert hopper is not None, reason
+    out = fmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_grads_close(grads, q, k, v, dout, attn_mask=mask)

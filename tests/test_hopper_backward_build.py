@@ -49,7 +49,8 @@ for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):
     if "in-order" in extra:  # the step's reads and stores where the products need them
         schedule = dataclasses.replace(schedule, lse_early=False, dq_late=False)
     features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=int("alibi" in extra),
-                                    dropout="dropout" in extra)
+                                    dropout="dropout" in extra,
+                                    mask=next((part[len("mask_"):] for part in extra if part.startswith("mask_")), ""))
     source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, has_left, has_right, schedule,
                                                        features=features, varlen="varlen" in extra)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -72,7 +73,8 @@ VARIANTS = [(128, False, False), (128, False, True), (64, False, False), (64, Tr
             (128, False, True, "softcap"), (64, False, True, "softcap", "alibi"), (128, False, False, "alibi"),
             (128, False, True, "varlen"), (64, True, True, "varlen", "alibi"), (128, False, False, "dropout"),
             (64, True, True, "dropout"), (128, False, True, "varlen", "dropout"),
-            (64, False, True, "softcap", "alibi", "dropout")]
+            (64, False, True, "softcap", "alibi", "dropout"), (128, False, False, "mask_bool"),
+            (64, False, True, "mask_float32"), (128, False, True, "softcap", "mask_bfloat16")]
 # Each dropout build's counterpart without dropout, on the schedule that builds with score features take.
 IN_ORDER = [tuple(part for part in variant if part != "dropout") + ("in-order",) for variant in VARIANTS
             if "dropout" in variant]
@@ -104,6 +106,15 @@ def test_dense_query_steps_do_not_spill(backward_builds, variant):
     if not backward_builds["triton"].startswith("3.6."):
         pytest.skip(f"spills measured with triton 3.6, this is {backward_builds['triton']}")
     build = backward_builds[",".join(map(str, variant))]
+    assert build["counts"]["HGMMA"] > 0 and build["loop_spills"] == 0
+
+
+def test_attn_mask_query_steps_at_d64_do_not_spill(backward_builds):
+    """The attn_mask's [keys, rows] tile (32 elements per thread, 32-bit offsets) fits beside the
+    D = 64 query steps' values (triton 3.6); at D = 128 it spills (docs/perf.md, session 12)."""
+    if not backward_builds["triton"].startswith("3.6."):
+        pytest.skip(f"spills measured with triton 3.6, this is {backward_builds['triton']}")
+    build = backward_builds["64,False,True,mask_float32"]
     assert build["counts"]["HGMMA"] > 0 and build["loop_spills"] == 0
 
 

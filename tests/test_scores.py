@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fmha
 from fmha import ops
-from fmha.backends.gluon_sm90.backend import backward_score_features_refusal
+from fmha.backends.gluon_sm90.backend import attn_mask_refusal
 from fmha.backends.triton.config import SplitKVConfig
 from fmha.backends.triton.launch import dropout_keep_mask, dropout_threshold, kernel_dropout_p
 from fmha.backends.triton.scores import dropout_keep
@@ -477,13 +477,17 @@ def test_custom_op_schemas_name_every_argument_once():
         assert len(names) == len(set(names)), names
 
 
-def test_hopper_kernels_refuse_the_features_they_lack():
+def test_hopper_backward_reads_masks_with_32_bit_offsets():
+    """The Gluon backward adds 32-bit offsets within a (batch, head) of the attn_mask: a mask view
+    that spans 2^31 elements there is refused (the portable backward runs it), a smaller one not."""
+    assert attn_mask_refusal(None) is None
+    small = torch.ones(1, 1, 1, 4096, dtype=torch.bool).expand(2, 4, 4096, 4096)
+    assert attn_mask_refusal(small) is None
+    huge = torch.empty_strided((1, 1, 65536, 65536), (0, 0, 65536, 1), dtype=torch.bool, device="meta")
+    assert "2^31" in attn_mask_refusal(huge)
+    transposed = torch.empty_strided((1, 1, 1024, 4096), (0, 0, 1, 1024), dtype=torch.bool, device="meta")
+    assert attn_mask_refusal(transposed) is None
     q, k, v = random_qkv(1, 2, 2, 8, 8, 16, torch.float16)
-    options = attention_params("t", q, k, v, softcap=2.0, sinks=torch.zeros(2), alibi_slopes=torch.ones(2),
-                               dropout_p=0.1).options
-    assert backward_score_features_refusal(options) is None
-    options = attention_params("t", q, k, v, attn_mask_kind="bool").options
-    assert backward_score_features_refusal(options) == "an attn_mask is not built in the Gluon backward"
     assert fmha.explain(q, k, v, softcap=2.0).backend == "triton"
 
 

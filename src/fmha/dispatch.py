@@ -172,16 +172,17 @@ def prepared_forward(params: AttentionParams, q, k, v, *seqlens) -> PreparedForw
 _prepared_backward: dict = {}
 
 
-def hopper_backward(params: AttentionParams, *tensors):
+def hopper_backward(params: AttentionParams, *tensors, attn_mask=None):
     """The Gluon backward prepared for this call signature, or (None, reason) where the portable
-    one runs. ``tensors``: dout, q, k, v, dq, dk, dv."""
+    one runs. ``tensors``: dout, q, k, v, dq, dk, dv; ``attn_mask``: SDPA's mask view, if any."""
     pointers = 0
     for tensor in tensors:
         pointers |= tensor.data_ptr()
-    key = (params, tuple(tensor.stride() for tensor in tensors), pointers & 15 == 0)
+    key = (params, tuple(tensor.stride() for tensor in tensors), pointers & 15 == 0,
+           None if attn_mask is None else attn_mask.stride())
     prepared = _prepared_backward.get(key)
     if prepared is None:
-        reason = HOPPER_BACKEND.backward_refusal(params, *tensors)
+        reason = HOPPER_BACKEND.backward_refusal(params, *tensors, attn_mask=attn_mask)
         launch = None
         if reason is None:
             try:
@@ -212,7 +213,9 @@ def run_backward(dout, q, k, v, out, lse, params: AttentionParams, config=None, 
     if config is None and params.device.type == "cuda":
         if not tma_compatible(dout):
             dout = dout.contiguous()  # e.g. the expanded gradient of a sum
-        hopper, _ = hopper_backward(params, dout, q, k, v, dq, dk, dv)
+        score_tensors = scores.get("scores")
+        hopper, _ = hopper_backward(params, dout, q, k, v, dq, dk, dv,
+                                    attn_mask=None if score_tensors is None else score_tensors.attn_mask)
     index = params.device.index if params.device.type == "cuda" else None
     with torch.cuda.device(index) if index is not None and index != torch.cuda.current_device() else _SAME_DEVICE:
         if hopper is not None:

@@ -37,10 +37,16 @@ def _tma_strides_ok(tensor: torch.Tensor) -> bool:
     return tma_compatible(tensor)
 
 
-def backward_score_features_refusal(options) -> str | None:
-    """The score features the Gluon backward does not build (fmha.params.AttentionOptions), or None:
-    softcap, ALiBi, sinks and dropout are built; the portable backward runs SDPA's attn_mask."""
-    return "an attn_mask is not built in the Gluon backward" if options.attn_mask_kind else None
+def attn_mask_refusal(attn_mask: torch.Tensor | None) -> str | None:
+    """Why the Gluon backward cannot read this (B, Hq, Sq, Sk) attn_mask view, or None: it adds
+    32-bit offsets within one (batch, head), so they must stay under 2^31 elements."""
+    if attn_mask is None:
+        return None
+    _, _, rows, keys = attn_mask.shape
+    furthest = (rows - 1) * abs(attn_mask.stride(2)) + (keys - 1) * abs(attn_mask.stride(3))
+    if furthest >= 2**31:
+        return "the attn_mask spans 2^31 elements or more within one (batch, head): its offsets are 32-bit here"
+    return None
 
 
 class HopperBackend:
@@ -82,9 +88,11 @@ class HopperBackend:
 
         return HopperForward(params, schedule)
 
-    def backward_refusal(self, params: AttentionParams, *tensors: torch.Tensor) -> str | None:
+    def backward_refusal(self, params: AttentionParams, *tensors: torch.Tensor,
+                         attn_mask: torch.Tensor | None = None) -> str | None:
         """Why the Gluon backward cannot run this call (None: it can). ``tensors``: dout, q, k, v,
-        dq, dk, dv, each (B, H, S, D), or (total, H, D) for packed sequences."""
+        dq, dk, dv, each (B, H, S, D), or (total, H, D) for packed sequences; ``attn_mask``: SDPA's
+        mask as its (B, Hq, Sq, Sk) view."""
         options = params.options
         if options.backend and options.backend != self.name:
             return f"config= is a {options.backend} config"
@@ -92,7 +100,7 @@ class HopperBackend:
             return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
-        reason = backward_score_features_refusal(options) or self.refusal(params, *tensors[1:4])
+        reason = attn_mask_refusal(attn_mask) or self.refusal(params, *tensors[1:4])
         if reason is not None:
             return reason
         from .backward_launch import backward_tensors_ok

@@ -24,6 +24,9 @@ The row statistics come from a preparation kernel (:mod:`fmha.backends.triton.ba
 delta and the LSE in log2 units, padded to whole query blocks (padded rows have LSE +inf, so P = 0
 there), which the load warp copies in with Q and dO; it also zeroes the dQ buffer. Key blocks that cross the window's edges or the end of K take the
 per-score mask of :mod:`fmha.backends.gluon_sm90.masking`; whole blocks inside it take none.
+SDPA's attn_mask (MASK) is read per step, one element per score of the transposed tile, once Sᵀ
+has landed (while dPᵀ runs): its rows lie apart in memory, so no two of a thread's elements share
+a load.
 """
 
 from triton.experimental import gluon
@@ -39,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ...compat import cta_barrier, tma_atomic_add, tma_load, tma_store
 from .forward import CONSUMER_WARPS, _store_rows, accumulator_layout, operand_layout
 from .masking import query_blocks, sequence_span, visible
-from .scores import (dropout_key, modified_scores, pair_rows, transposed_draw_layout, transposed_keep_bits,
-                     unpack_keep)
+from .scores import (NO_MASK, STRIDED_MASK_KEYS, dropout_key, expand_mask, masked_scores, modified_scores, pair_rows,
+                     transposed_draw_layout, transposed_keep_bits, unpack_keep)
 from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -196,12 +199,14 @@ def _query_steps(
     dropout, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
     DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr,
-    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr,
 ):
     """Query blocks [m_begin, m_stop) of one head; the block at row m sits at ring position
     position_base + (m - m_first) / BLOCK_M. Packed sequences: rows past the sequence's end (the next
     sequence's tokens) take the mask, and dQ's rows start at q_start. ``mods``: ``(softcap_scale, slope, position_offset,
-    key_positions)``, the score features' values for this head (position_offset = Sk - Sq); ``dropout``:
+    key_positions, mask_base, mask_columns, stride_mm)``, the score features' values for this head
+    (position_offset = Sk - Sq; the attn_mask's (batch, head) pointer, int32 offsets of the consumer's
+    keys and its row stride: the launcher keeps every offset under 2^31); ``dropout``:
     ``(RngState, rng_row, high_bound, dropout_scale, first_key, key_rows)`` (DROPOUT: the
     forward's pattern, :func:`fmha.backends.gluon_sm90.scores.transposed_keep_bits`; P·dO and dP take the
     kept scores, and dV the factor ``dropout_scale`` at its store)."""
@@ -246,14 +251,23 @@ def _query_steps(
                 _add_dq_tile(pending_dq, own_dq, dq_desc, [batch, head, q_start + pending_m, DQ_COLUMN0])
             pending_m = -1
         scores_t = warpgroup_mma_wait(1, deps=(scores_t,))
+        if MASK != NO_MASK:  # the attn_mask's [keys, rows] tile, read while dP runs
+            rows = gl.minimum(m + gl.arange(0, BLOCK_M, layout=row_layout), seqlen_q - 1)
+            mask_tile = gl.load(mods[4] + (mods[5][:, None] + (rows * mods[6])[None, :]))
         if not LSE_EARLY:
             lse = lse_smem.index(slot).load(row_layout)
+        scale_t = qk_scale
         if SOFTCAP or ALIBI:
-            softcap_scale, slope, position_offset, key_positions = mods
+            softcap_scale, slope, position_offset, key_positions = mods[0], mods[1], mods[2], mods[3]
             row_positions = (m + position_offset + gl.arange(0, BLOCK_M, layout=row_layout)).to(gl.float32)
             scores_t, capped_t = modified_scores(scores_t, row_positions[None, :], key_positions[:, None], qk_scale,
                                                  softcap_scale, slope, SOFTCAP, ALIBI)
-            probs_t = gl.exp2(scores_t - lse[None, :])
+            scale_t = 1.0
+        if MASK != NO_MASK:
+            mask_tile = expand_mask(mask_tile, mods[4].dtype.element_ty, s_layout, MASK, STRIDED_MASK_KEYS)
+            scores_t, scale_t = masked_scores(scores_t, scale_t, mask_tile, MASK)
+        if SOFTCAP or ALIBI or MASK != NO_MASK:
+            probs_t = gl.exp2(scores_t * scale_t - lse[None, :])
         else:
             probs_t = gl.exp2(scores_t * qk_scale - lse[None, :])
         if MASKED:
@@ -344,7 +358,7 @@ def _consumer_partition(
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
     LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-    DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr,
+    DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr, MASK: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
      q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
@@ -369,7 +383,7 @@ def _consumer_partition(
                     qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k,
                     seq_lo, seq_hi, sequence, ring_position, tile_count, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
                     STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN,
-                    DROPOUT)
+                    DROPOUT, MASK)
                 tile_count += 1
             handed += 1
             tile = take_tile(tile_slots, handed)
@@ -382,7 +396,7 @@ def _consumer_partition(
                            scale, qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q,
                            k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
                            STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI,
-                           VARLEN, DROPOUT)
+                           VARLEN, DROPOUT, MASK)
     tma.store_wait(0)
 
 
@@ -394,7 +408,7 @@ def _consumer_tile(
     rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
     LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-    DROPOUT: gl.constexpr,
+    DROPOUT: gl.constexpr, MASK: gl.constexpr,
 ):
     """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
     query block and query head that sees them, then their stores. Its query blocks sit at ring
@@ -426,7 +440,14 @@ def _consumer_tile(
         slope = 0.0
         if ALIBI:
             slope = gl.load(AlibiSlopes + sequence.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
-        mods = (softcap_scale, slope, seqlen_k - seqlen_q, key_positions)
+        mask_base, mask_columns, stride_mm = 0, 0, 0
+        if MASK != NO_MASK:  # the (batch, head)'s attn_mask, and its offsets of the keys (past the end: the last)
+            Mask = score_args[7]
+            stride_mb, stride_mh, stride_mm, stride_mn = score_args[8]
+            mask_base = Mask + sequence.to(gl.int64) * stride_mb + head.to(gl.int64) * stride_mh
+            mask_columns = gl.minimum(keys, seqlen_k - 1) * stride_mn.to(gl.int32)
+            stride_mm = stride_mm.to(gl.int32)
+        mods = (softcap_scale, slope, seqlen_k - seqlen_q, key_positions, mask_base, mask_columns, stride_mm)
         dropout = 0
         if DROPOUT:  # rows numbered as the forward numbers them: (batch, head, row), or (head, packed row)
             rng_row = (batch * rng[3] + head).to(gl.int64) * rows_per_head + q_start
@@ -436,17 +457,17 @@ def _consumer_tile(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
     mbarrier.arrive(kv_free, count=1)  # every product that reads K and V has completed
     own_staging = staging.index(CONSUMER)
     if DROPOUT:  # P·dO summed the kept probabilities
@@ -466,13 +487,13 @@ def _consumer_tile(
 @gluon.jit
 def attention_backward_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, AlibiSlopes, RngState,
-    CuSeqlensQ, CuSeqlensK, Tiles, DK, DV, Lse2, Delta, TileCounter, stride_kn, stride_kh,
-    stride_ab, stride_ah, padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles,
+    CuSeqlensQ, CuSeqlensK, Tiles, DK, DV, Lse2, Delta, TileCounter, Mask, stride_kn, stride_kh,
+    stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn, padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles,
     dropout_threshold, scale, qk_scale, softcap_scale, dropout_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr,
     DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    DYNAMIC: gl.constexpr, MASK: gl.constexpr,
 ):
     """One tile per (batch, KV head, key block of 64 x CONSUMERS keys), num_tiles of them: one
     program per tile, or with DYNAMIC persistent programs that take them from the int32 counter at
@@ -486,7 +507,9 @@ def attention_backward_hopper_kernel(
     factor ``1 - tanh²``), ALIBI (slopes through stride_ab, stride_ah). The LSE counts the sinks, so
     the kernel never sees them (their gradient is the launcher's). DROPOUT: the forward's pattern
     for the int64 Philox seed at RngState (a draw >= dropout_threshold keeps its score, scaled by
-    dropout_scale).
+    dropout_scale). MASK: SDPA's attn_mask of (batch, head) at ``Mask + batch · stride_mb + head ·
+    stride_mh`` (strides in elements), as in the forward: BOOL_MASK hides keys, FLOAT_MASK adds to
+    the scores.
 
     Packed sequences (VARLEN): the descriptors view (total, H, D) tensors as (1, H, total, D);
     seqlen_q and seqlen_k are the totals; programs take key blocks from the list in ``Tiles``; DK
@@ -527,7 +550,8 @@ def attention_backward_hopper_kernel(
     shared = (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free,
               q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q,
               seqlen_k, lo, hi, scale, qk_scale,
-              (AlibiSlopes, stride_ab, stride_ah, softcap_scale, RngState, dropout_threshold, dropout_scale), num_tiles)
+              (AlibiSlopes, stride_ab, stride_ah, softcap_scale, RngState, dropout_threshold, dropout_scale, Mask,
+               (stride_mb, stride_mh, stride_mm, stride_mn)), num_tiles)
     load_args = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                  k_smem, v_smem, kv_ready, kv_free, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q,
                  seqlen_q, seqlen_k, lo, hi, num_tiles)
@@ -542,14 +566,14 @@ def attention_backward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

@@ -19,7 +19,8 @@ from ..triton.backward import sinks_grad_kernel
 from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
 from ..triton.launch import TileList, tma_compatible, window_bounds
 from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
-from .launch import NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout, build_gluon, score_arguments
+from .launch import (_MASK_POINTER_TYPES, _MASK_STRIDE_ARGS, NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout,
+                     build_gluon, score_arguments)
 
 KEYS_PER_CONSUMER = CONSUMER_KEYS.value
 
@@ -92,7 +93,8 @@ def _accumulator_layout(rows: int, columns: int):
 # Row statistics: a flat fp32 vector, copied in blocks of BLOCK_M without a swizzle.
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
-_INTEGER_ARGS = ("stride_kn", "stride_kh", "stride_ab", "stride_ah", "padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi", "num_tiles")
+_STRIDE_ARGS = ("stride_kn", "stride_kh", "stride_ab", "stride_ah")
+_INTEGER_ARGS = ("padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi", "num_tiles")
 
 
 def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, has_right: bool,
@@ -113,7 +115,7 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                  "LSE_EARLY": schedule.lse_early and not features.modifies_scores,
                  "DQ_LATE": schedule.dq_late and compute_dq and not features.modifies_scores,
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
-                 "DYNAMIC": schedule.dynamic}
+                 "DYNAMIC": schedule.dynamic, "MASK": features.mask_constexpr}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
                  "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
@@ -123,7 +125,8 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                  "delta_desc": f"tensordesc<fp32[{schedule.block_m}],{_ROW_LAYOUT!r}>", "AlibiSlopes": "*fp32",
                  "RngState": "*i64",
                  "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32", "DK": f"*{element}", "DV": f"*{element}",
-                 "Lse2": "*fp32", "Delta": "*fp32", "TileCounter": "*i32",
+                 "Lse2": "*fp32", "Delta": "*fp32", "TileCounter": "*i32", "Mask": _MASK_POINTER_TYPES[features.mask],
+                 **dict.fromkeys(_STRIDE_ARGS, "i32"), **dict.fromkeys(_MASK_STRIDE_ARGS, "i64"),
                  **dict.fromkeys(_INTEGER_ARGS, "i32"), "dropout_threshold": "i32", "scale": "fp32", "qk_scale": "fp32",
                  "softcap_scale": "fp32", "dropout_scale": "fp32",
                  **dict.fromkeys(constants, "constexpr")}
@@ -240,8 +243,10 @@ class HopperBackward:
         row_stats = (_HostDescriptor(lse2, [rows], [1]), _HostDescriptor(delta, [rows], [1]))
         # A counter per call: launches on other streams cannot share it.
         counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.schedule.dynamic else lse2
+        mask = None if scores is None else scores.attn_mask
+        mask, mask_strides = (lse2, (0, 0, 0, 0)) if mask is None else (mask, mask.stride())  # (B, Hq, Sq, Sk)
         run_compiled(self.compiled, self.grid, self.device,
-                     (*descriptors, *row_stats, alibi, rng_state, *sequences, dk, dv, lse2, delta, counter, *packed_strides,
-                      stride_ab, stride_ah, *self.integers))
+                     (*descriptors, *row_stats, alibi, rng_state, *sequences, dk, dv, lse2, delta, counter, mask,
+                      *packed_strides, stride_ab, stride_ah, *mask_strides, *self.integers))
         launches.finish_dq((-(-seqlen_q // ROWS_BLOCK), batch * p.q_heads), q.device, dq_accum, dq, *dq.stride(),
                            p.q_heads, seqlen_q, self.padded_q, p.options.scale)
