@@ -17,7 +17,6 @@ from fmha.backends.triton.config import SplitKVConfig
 from fmha.backends.triton.launch import dropout_keep_mask, dropout_threshold, kernel_dropout_p
 from fmha.backends.triton.scores import dropout_keep
 from fmha.masking import Window
-from fmha.params import attention_params
 from fmha.reference import dense_attention
 
 from .helpers import assert_close_to_reference, assert_grads_close, random_qkv

@@ -29,8 +29,8 @@ Supported
   (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs), with ``attn_mask`` (bool or
   float, float32 or the query's dtype, broadcast over batch and heads and read through its
   strides: stride-0 expanded masks are never materialised; not differentiated; on sm_90 the
-  Gluon forward reads bool masks and the Gluon backward both kinds) and ``dropout_p``; a row the mask hides entirely returns zeros,
-  as torch's kernels do.
+  Gluon forward reads bool masks and the Gluon backward both kinds) and ``dropout_p``; a row the
+  mask hides entirely returns zeros, as torch's kernels do.
 * ``naive_attention``: the materialising baseline, same contract as ``attention``.
 * Packed variable-length sequences (varlen): ``varlen_attention(q, k, v, cu_seqlens_q,
   cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, window, softcap, alibi_slopes, sinks,

@@ -266,10 +266,7 @@ def _query_steps(
         if MASK != NO_MASK:
             mask_tile = expand_mask(mask_tile, mods[4].dtype.element_ty, s_layout, MASK, STRIDED_MASK_KEYS)
             scores_t, scale_t = masked_scores(scores_t, scale_t, mask_tile, MASK)
-        if SOFTCAP or ALIBI or MASK != NO_MASK:
-            probs_t = gl.exp2(scores_t * scale_t - lse[None, :])
-        else:
-            probs_t = gl.exp2(scores_t * qk_scale - lse[None, :])
+        probs_t = gl.exp2(scores_t * scale_t - lse[None, :])
         if MASKED:
             rows = m + gl.arange(0, BLOCK_M, layout=row_layout)
             seen = visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
@@ -488,7 +485,8 @@ def _consumer_tile(
 def attention_backward_hopper_kernel(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, AlibiSlopes, RngState,
     CuSeqlensQ, CuSeqlensK, Tiles, DK, DV, Lse2, Delta, TileCounter, Mask, stride_kn, stride_kh,
-    stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn, padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles,
+    stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn, padded_q, num_q_heads, num_kv_heads, group_size,
+    seqlen_q, seqlen_k, lo, hi, num_tiles,
     dropout_threshold, scale, qk_scale, softcap_scale, dropout_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr,
