@@ -29,11 +29,22 @@ CASES = [("D64 S4k", 4, 32, 4096, 64, False, None), ("D64 S4k causal", 4, 32, 40
          ("varlen 9", None, 16, None, 128, True, None),
          ("D64 S1k", 16, 32, 1024, 64, False, None), ("D64 S1k causal", 16, 32, 1024, 64, True, None),
          ("D64 S16k", 1, 32, 16384, 64, False, None), ("D64 S16k causal", 1, 32, 16384, 64, True, None),
-         ("D64 window 1024", 1, 32, 16384, 64, True, (1023, 0)), ("D64 varlen 9", None, 32, None, 64, True, None)]
+         ("D64 window 1024", 1, 32, 16384, 64, True, (1023, 0)), ("D64 varlen 9", None, 32, None, 64, True, None),
+         # score features: the keyword arguments of fmha.attention (attn_mask: a bool (S, S) mask through
+         # fmha.scaled_dot_product_attention)
+         ("D64 S4k causal softcap", 4, 32, 4096, 64, True, None, {"softcap": 30.0}),
+         ("D64 S4k causal alibi", 4, 32, 4096, 64, True, None, {"alibi_slopes": "geometric"}),
+         ("D64 S4k causal dropout", 4, 32, 4096, 64, True, None, {"dropout_p": 0.1}),
+         ("D64 S4k mask", 4, 32, 4096, 64, False, None, {"attn_mask": "bool"}),
+         ("D128 S4k causal softcap", 4, 16, 4096, 128, True, None, {"softcap": 30.0}),
+         ("D128 S4k causal alibi", 4, 16, 4096, 128, True, None, {"alibi_slopes": "geometric"}),
+         ("D128 S4k causal dropout", 4, 16, 4096, 128, True, None, {"dropout_p": 0.1}),
+         ("D128 S4k mask", 4, 16, 4096, 128, False, None, {"attn_mask": "bool"})]
 
 
 def make_call(case):
-    name, batch, heads, seqlen, head_dim, causal, window = case
+    name, batch, heads, seqlen, head_dim, causal, window = case[:7]
+    features = dict(case[7]) if len(case) > 7 else {}
     if batch is None:
         total = sum(NINE_SEQUENCES)
         q, k, v = (torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -44,7 +55,13 @@ def make_call(case):
     else:
         q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
-        out = fmha.attention(q, k, v, causal=causal, window=window)
+        if features.get("alibi_slopes") == "geometric":
+            features["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)
+        if features.pop("attn_mask", None):
+            mask = torch.rand(seqlen, seqlen, device="cuda") < 0.9
+            out = fmha.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = fmha.attention(q, k, v, causal=causal, window=window, **features)
     grad_out = torch.randn_like(out)
     return lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
 

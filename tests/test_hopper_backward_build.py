@@ -46,8 +46,9 @@ def spills_in_product_loops(sass):
 
 for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):
     schedule = backward_launch.default_backward_schedule(head_dim)
-    if "in-order" in extra:  # the step's reads and stores where the products need them
-        schedule = dataclasses.replace(schedule, lse_early=False, dq_late=False)
+    if "in-order" in extra:  # the dropout builds' schedule: reads and stores where the products need them, K and V
+        # in shared memory
+        schedule = dataclasses.replace(schedule, lse_early=False, dq_late=False, kv_registers=False)
     features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=int("alibi" in extra),
                                     dropout="dropout" in extra,
                                     mask=next((part[len("mask_"):] for part in extra if part.startswith("mask_")), ""))
@@ -63,6 +64,8 @@ for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG", "STL",
                                                  "MUFU.TANH", "IMAD.WIDE.U32", "STS", "LDS")},
         "hmma": sass.count("HMMA"), "shared": compiled.metadata.shared,
+        # warpgroup MMAs whose A operand is read untransposed from shared memory (K or V; dQ's Kᵀ is transposed)
+        "shared_a": len(re.findall(r"HGMMA\S* R\d+, gdesc\[UR\d+\](?!\.tnspA)", sass)),
         "loop_spills": spills_in_product_loops(sass)}
 print(json.dumps(report))
 """
@@ -149,16 +152,31 @@ def test_backward_refusals_name_a_reason():
     assert "deterministic" in reason
 
 
-@pytest.mark.parametrize("head_dim, features, lse_early, dq_late", [
-    (128, launch.NO_FEATURES, True, False), (64, launch.NO_FEATURES, False, True),
-    (64, launch.ScoreFeatures(sinks=True), False, True), (128, launch.ScoreFeatures(alibi=1), False, False),
-    (64, launch.ScoreFeatures(dropout=True), False, False), (64, launch.ScoreFeatures(softcap=True), False, False)])
-def test_step_order_follows_head_dim_and_score_features(head_dim, features, lse_early, dq_late):
+@pytest.mark.parametrize("variant, from_registers", [((64, False, False), True), ((64, True, True), True),
+                                                     ((64, False, True, "mask_float32"), True),
+                                                     ((64, True, True, "dropout"), False), ((128, False, False), False)],
+                         ids=str)
+def test_d64_products_take_k_and_v_from_registers(backward_builds, variant, from_registers):
+    """At D = 64 (dropout aside) Sᵀ = K Qᵀ and dPᵀ = V dOᵀ take K and V from registers: no warpgroup
+    MMA reads an untransposed A operand from shared memory; at D = 128 they do."""
+    build = backward_builds[",".join(map(str, variant))]
+    assert build["counts"]["HGMMA"] > 0
+    assert (build["shared_a"] == 0) == from_registers
+
+
+@pytest.mark.parametrize("head_dim, features, lse_early, dq_late, kv_registers", [
+    (128, launch.NO_FEATURES, True, False, False), (64, launch.NO_FEATURES, False, True, True),
+    (64, launch.ScoreFeatures(sinks=True), False, True, True), (128, launch.ScoreFeatures(alibi=1), False, False, False),
+    (64, launch.ScoreFeatures(dropout=True), False, False, False),
+    (64, launch.ScoreFeatures(softcap=True), False, False, True)])
+def test_step_order_follows_head_dim_and_score_features(head_dim, features, lse_early, dq_late, kv_registers):
     """The default schedules' early LSE (D = 128) and late dQ store (D = 64) hold registers across
-    the step's first products; builds that modify the scores (the sinks change only the LSE) skip them."""
+    the step's first products; builds that modify the scores (the sinks change only the LSE) skip them.
+    K and V sit in registers at D = 64 except in dropout builds."""
     schedule = backward_launch.default_backward_schedule(head_dim)
     source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, False, True, schedule,
                                                        features=features)
     names = backward.attention_backward_hopper_kernel.arg_names
     constants = {names[key[0]]: value for key, value in source.constants.items()}
-    assert (constants["LSE_EARLY"], constants["DQ_LATE"]) == (lse_early, dq_late)
+    assert (constants["LSE_EARLY"], constants["DQ_LATE"], constants["KV_REGISTERS"]) == (lse_early, dq_late,
+                                                                                         kv_registers)

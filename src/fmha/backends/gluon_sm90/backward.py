@@ -355,7 +355,7 @@ def _consumer_partition(
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
     LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-    DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr, MASK: gl.constexpr,
+    DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
      q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
@@ -380,7 +380,7 @@ def _consumer_partition(
                     qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k,
                     seq_lo, seq_hi, sequence, ring_position, tile_count, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
                     STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN,
-                    DROPOUT, MASK)
+                    DROPOUT, MASK, KV_REGISTERS)
                 tile_count += 1
             handed += 1
             tile = take_tile(tile_slots, handed)
@@ -393,7 +393,7 @@ def _consumer_partition(
                            scale, qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q,
                            k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
                            STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI,
-                           VARLEN, DROPOUT, MASK)
+                           VARLEN, DROPOUT, MASK, KV_REGISTERS)
     tma.store_wait(0)
 
 
@@ -405,7 +405,7 @@ def _consumer_tile(
     rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
     LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-    DROPOUT: gl.constexpr, MASK: gl.constexpr,
+    DROPOUT: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
 ):
     """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
     query block and query head that sees them, then their stores. Its query blocks sit at ring
@@ -431,6 +431,9 @@ def _consumer_tile(
     dk = gl.zeros([CONSUMER_KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([CONSUMER_KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     mbarrier.wait(kv_ready, tile_count & 1)
+    if KV_REGISTERS:  # the A operands of Sᵀ and dPᵀ from registers: half their shared-memory reads
+        k_rows = k_rows.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        v_rows = v_rows.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     for member in range(group_size):
         head = kv_head * group_size + member
         position_base = ring_position + member * steps
@@ -491,7 +494,7 @@ def attention_backward_hopper_kernel(
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr,
     DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr, MASK: gl.constexpr,
+    DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
 ):
     """One tile per (batch, KV head, key block of 64 x CONSUMERS keys), num_tiles of them: one
     program per tile, or with DYNAMIC persistent programs that take them from the int32 counter at
@@ -564,14 +567,17 @@ def attention_backward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
+                                    KV_REGISTERS)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
+                                    KV_REGISTERS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
+                                    KV_REGISTERS)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

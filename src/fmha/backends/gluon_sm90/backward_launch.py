@@ -40,6 +40,10 @@ class HopperBackwardSchedule:
     step's dQ tile is stored and added after the next step has issued its first products (its 32
     registers live across them; D = 64 only: the D = 128 consumer has no registers to spare).
     Builds with softcap, ALiBi or dropout, whose registers are already short, take neither.
+    ``kv_registers``: each consumer holds its K and V rows in registers, the A operands of Sᵀ = K Qᵀ
+    and dPᵀ = V dOᵀ, which then read only Qᵀ and dOᵀ from shared memory (D = 64 only: at D = 128
+    the 64 registers spill; dropout builds, whose draws need the registers, keep them in shared
+    memory).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -50,6 +54,7 @@ class HopperBackwardSchedule:
     dynamic: bool = False
     lse_early: bool = False
     dq_late: bool = False
+    kv_registers: bool = False
 
     def __post_init__(self):
         checks = {"block_m": self.block_m in (64, 128), "stages": 1 <= self.stages <= 4,
@@ -75,12 +80,13 @@ class HopperBackwardSchedule:
 
 
 def default_backward_schedule(head_dim: int) -> HopperBackwardSchedule:
-    """On the H100 (docs/perf.md, sessions 7 and 10): at D = 64 tiles taken one at a time
-    (1.02-1.07x) and dQ stored late (1.02-1.05x); at D = 128 one program per key block (shared
-    memory holds one K/V block, so the next tile's cannot load early; dynamic tiles lose 4-11% on
-    causal, window and packed cases) and the LSE read early (1.01-1.03x; at D = 64 it loses 1-3%)."""
+    """On the H100 (docs/perf.md, sessions 7, 10 and 13): at D = 64 tiles taken one at a time
+    (1.02-1.07x), dQ stored late (1.02-1.05x) and K and V in registers (1.03-1.08x); at D = 128 one
+    program per key block (shared memory holds one K/V block, so the next tile's cannot load early;
+    dynamic tiles lose 4-11% on causal, window and packed cases) and the LSE read early
+    (1.01-1.03x; at D = 64 it loses 1-3%)."""
     if head_dim <= 64:
-        return HopperBackwardSchedule(dynamic=True, dq_late=True)
+        return HopperBackwardSchedule(dynamic=True, dq_late=True, kv_registers=True)
     return HopperBackwardSchedule(lse_early=True)
 
 
@@ -115,7 +121,8 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                  "LSE_EARLY": schedule.lse_early and not features.modifies_scores,
                  "DQ_LATE": schedule.dq_late and compute_dq and not features.modifies_scores,
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
-                 "DYNAMIC": schedule.dynamic, "MASK": features.mask_constexpr}
+                 "DYNAMIC": schedule.dynamic, "MASK": features.mask_constexpr,
+                 "KV_REGISTERS": schedule.kv_registers and not features.dropout}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
                  "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
