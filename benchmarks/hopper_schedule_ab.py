@@ -36,13 +36,22 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("window 4096", 1, 16, 16384, 128, True, {"window": (4095, 0)}),
          ("window 1024 S4k", 4, 16, 4096, 128, True, {"window": (1023, 0)}),
          ("plain D128 causal S16k", 1, 16, 16384, 128, True, {}),
-         ("plain D64 causal S16k", 1, 32, 16384, 64, True, {})]
+         ("plain D64 causal S16k", 1, 32, 16384, 64, True, {}),
+         ("plain D64 S16k", 1, 32, 16384, 64, False, {}),
+         ("plain D64 S1k", 16, 32, 1024, 64, False, {}),
+         ("plain D64 causal S1k", 16, 32, 1024, 64, True, {}),
+         ("seed003 D64", 16, 16, 2048, 64, False, {}),
+         ("sinks D64", 4, 16, 4096, 64, True, {"sinks": True}),
+         ("dropout 0.1 D64", 4, 32, 4096, 64, True, {"dropout_p": 0.1}),
+         ("window 1024 D64", 1, 32, 16384, 64, True, {"window": (1023, 0)})]
 
 
 def feature_arguments(heads, kwargs):
     out = dict(kwargs)
     if out.pop("alibi", False):
         out["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)
+    if out.pop("sinks", False):
+        out["sinks"] = torch.randn(heads, device="cuda")
     return out
 
 

@@ -1,5 +1,6 @@
 """Backward launches for Nsight Compute (GPU, sm_90): the Gluon backward on the `std` cases at
-S = 4k (B4, H = 2048 / D), causal and not, D = 64 and 128, bf16, on the default path.
+S = 4k (B4, H = 2048 / D), causal and not, D = 64 and 128, and one long sequence (B1 H16 D128,
+S = 32k and 64k), bf16, on the default path.
 
     ncu --clock-control none --kernel-name regex:attention_backward_hopper \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
@@ -15,7 +16,9 @@ import torch
 import fmha
 
 CASES = {"d128": (4, 16, 4096, 128, False), "d128-causal": (4, 16, 4096, 128, True),
-         "d64": (4, 32, 4096, 64, False), "d64-causal": (4, 32, 4096, 64, True)}
+         "d64": (4, 32, 4096, 64, False), "d64-causal": (4, 32, 4096, 64, True),
+         # one long sequence: the rate falls from S = 32k to 64k (docs/perf.md, session 13)
+         "d128-s32k": (1, 16, 32768, 128, False), "d128-s64k": (1, 16, 65536, 128, False)}
 
 
 def main():
