@@ -17,7 +17,7 @@ import fmha
 
 CASES = {"d128": (4, 16, 4096, 128, False), "d128-causal": (4, 16, 4096, 128, True),
          "d64": (4, 32, 4096, 64, False), "d64-causal": (4, 32, 4096, 64, True),
-         # one long sequence: the rate falls from S = 32k to 64k (docs/perf.md, session 13)
+         # one long sequence: L2's hit rate falls from S = 32k to 64k (docs/perf.md, session 13)
          "d128-s32k": (1, 16, 32768, 128, False), "d128-s64k": (1, 16, 65536, 128, False)}
 
 

@@ -64,27 +64,3 @@ def test_deterministic_gradients_match_the_default_ones():
     deterministic = torch.autograd.grad(fmha.attention(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
     for fast, exact in zip(default, deterministic):
         torch.testing.assert_close(fast, exact, atol=2e-2, rtol=2e-2)
-
-
-@needs_hopper
-@pytest.mark.parametrize("seqlen_q, seqlen_k, kv_heads", [(2000, 1500, 2), (1536, 3000, 4), (777, 777, 1)])
-def test_rotated_walk_is_exact(monkeypatch, seqlen_q, seqlen_k, kv_heads):
-    """The rotated query walk of long non-causal calls (from ROTATED_WALK_FROM rows), taken here at
-    short lengths: exact, and dK and dV the same over repeated calls (each tile's order is fixed)."""
-    from fmha import dispatch
-    from fmha.backends.gluon_sm90 import backward_launch
-
-    monkeypatch.setattr(backward_launch, "ROTATED_WALK_FROM", 256)
-    dispatch.forget()
-    try:
-        q, k, v = (t.requires_grad_() for t in random_qkv(1, 4, kv_heads, seqlen_q, seqlen_k, 128, torch.bfloat16,
-                                                           device="cuda"))
-        assert backward_launch.default_backward_schedule(128, windowed=False, seqlen_q=seqlen_q).rotate_walk
-        out = fmha.attention(q, k, v)
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        assert_grads_close(grads, q, k, v, dout)
-        again = torch.autograd.grad(out, (q, k, v), dout)
-        assert torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2])
-    finally:
-        dispatch.forget()

@@ -49,8 +49,6 @@ for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):
     if "in-order" in extra:  # the dropout builds' schedule: reads and stores where the products need them, K and V
         # in shared memory
         schedule = dataclasses.replace(schedule, lse_early=False, dq_late=False, kv_registers=False)
-    if "rotated" in extra:  # long non-causal calls' rotated query walk
-        schedule = dataclasses.replace(schedule, rotate_walk=True)
     features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=int("alibi" in extra),
                                     dropout="dropout" in extra,
                                     mask=next((part[len("mask_"):] for part in extra if part.startswith("mask_")), ""))
@@ -79,8 +77,7 @@ VARIANTS = [(128, False, False), (128, False, True), (64, False, False), (64, Tr
             (128, False, True, "varlen"), (64, True, True, "varlen", "alibi"), (128, False, False, "dropout"),
             (64, True, True, "dropout"), (128, False, True, "varlen", "dropout"),
             (64, False, True, "softcap", "alibi", "dropout"), (128, False, False, "mask_bool"),
-            (64, False, True, "mask_float32"), (128, False, True, "softcap", "mask_bfloat16"), (128, False, False, "rotated"),
-            (128, False, False, "varlen", "rotated")]
+            (64, False, True, "mask_float32"), (128, False, True, "softcap", "mask_bfloat16")]
 # Each dropout build's counterpart without dropout, on the schedule that builds with score features take.
 IN_ORDER = [tuple(part for part in variant if part != "dropout") + ("in-order",) for variant in VARIANTS
             if "dropout" in variant]
@@ -183,12 +180,3 @@ def test_step_order_follows_head_dim_and_score_features(head_dim, features, lse_
     constants = {names[key[0]]: value for key, value in source.constants.items()}
     assert (constants["LSE_EARLY"], constants["DQ_LATE"], constants["KV_REGISTERS"]) == (lse_early, dq_late,
                                                                                          kv_registers)
-
-
-@pytest.mark.parametrize("head_dim, windowed, seqlen_q, rotated", [
-    (128, False, backward_launch.ROTATED_WALK_FROM, True), (128, False, backward_launch.ROTATED_WALK_FROM - 1, False),
-    (128, True, 2 * backward_launch.ROTATED_WALK_FROM, False), (64, False, 2 * backward_launch.ROTATED_WALK_FROM, False)])
-def test_long_non_causal_calls_rotate_the_query_walk(head_dim, windowed, seqlen_q, rotated):
-    """Rotated only where it was measured faster: D = 128, no window (causal is one), long sequences."""
-    schedule = backward_launch.default_backward_schedule(head_dim, windowed=windowed, seqlen_q=seqlen_q)
-    assert schedule.rotate_walk == rotated

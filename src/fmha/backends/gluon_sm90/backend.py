@@ -112,6 +112,4 @@ class HopperBackend:
     def prepare_backward(self, params: AttentionParams):
         from .backward_launch import HopperBackward, default_backward_schedule
 
-        windowed = params.options.window_left is not None or params.options.window_right is not None
-        return HopperBackward(params, default_backward_schedule(params.head_dim, windowed=windowed,
-                                                                seqlen_q=params.seqlen_q))
+        return HopperBackward(params, default_backward_schedule(params.head_dim))

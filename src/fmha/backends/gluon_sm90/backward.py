@@ -107,39 +107,8 @@ def _program_tile(tile, num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, 
 
 
 @gluon.jit
-def _walk(tile, first_key, seqlen_q, seqlen_k, lo, hi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, WALK_PERIOD: gl.constexpr):
-    """The query blocks of a key block, ``(m_start, full_start, full_end, m_end)`` (keys past the end
-    of K: every block masked), and the walk: ``(full_start, full_end, shift)``. The blocks that see
-    every key are walked from ``full_start + shift`` round to it: with WALK_PERIOD programs at once,
-    tile t starts (t % WALK_PERIOD) / WALK_PERIOD of the way along, so that programs started one
-    after another walk the same rows at the same time (their Q, dO and dQ stay in L2 however long
-    the sequence), where starting together at the first row leaves them spread over all rows
-    once their starts drift apart."""
-    m_start, full_start, full_end, m_end = query_blocks(first_key, BLOCK_N, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT,
-                                                        HAS_RIGHT)
-    if first_key + BLOCK_N > seqlen_k:  # keys past the end: every block takes the mask
-        full_end = full_start
-    shift = 0
-    if WALK_PERIOD > 0:
-        shift = (tile % WALK_PERIOD) * ((full_end - full_start) // BLOCK_M) // WALK_PERIOD * BLOCK_M
-    return m_start, full_start, full_end, m_end, (full_start, full_end, shift)
-
-
-@gluon.jit
-def _walk_row(row, walk):
-    """The row the walk visits in place of ``row``."""
-    full_start, full_end, shift = walk
-    if (row >= full_start) & (row < full_end):
-        row += shift  # shift < full_end - full_start: at most one wrap
-        if row >= full_end:
-            row -= full_end - full_start
-    return row
-
-
-@gluon.jit
 def _load_partition(args, tile_slots, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                    HAS_RIGHT: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr, WALK_PERIOD: gl.constexpr):
+                    HAS_RIGHT: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
      kv_ready, kv_free, q_ready, q_free, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k, lo, hi,
      num_tiles, packed) = args
@@ -153,7 +122,7 @@ def _load_partition(args, tile_slots, BLOCK_M: gl.constexpr, STAGES: gl.constexp
         tile = gl.atomic_add(counter, 1)
         while tile < num_tiles:
             hand_out_tile(tile_slots, handed, tile)
-            valid, batch, kv_head, n_block, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi, _ = _program_tile(
+            valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
                 tile, num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
             if valid:
                 # The consumers are done with the previous tile's K and V (the first tile finds them free).
@@ -161,28 +130,28 @@ def _load_partition(args, tile_slots, BLOCK_M: gl.constexpr, STAGES: gl.constexp
                 ring_position = _load_tile(
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                     k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
-                    n_block * BLOCK_N, q_start, seq_q, k_start, seq_lo, seq_hi, Lse2, Delta, ring_position, tile,
-                    seq_k, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, WALK_PERIOD)
+                    n_block * BLOCK_N, q_start, seq_q, k_start, seq_lo, seq_hi, Lse2, Delta, ring_position, BLOCK_M,
+                    STAGES, HAS_LEFT, HAS_RIGHT, VARLEN)
                 tile_count += 1
             handed += 1
             tile = gl.atomic_add(counter, 1)
         hand_out_tile(tile_slots, handed, num_tiles)
     else:
-        valid, batch, kv_head, n_block, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi, _ = _program_tile(
+        valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
             gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN)
         if valid:
             _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                        k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
-                       n_block * BLOCK_N, q_start, seq_q, k_start, seq_lo, seq_hi, Lse2, Delta, 0, gl.program_id(0),
-                       seq_k, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, WALK_PERIOD)
+                       n_block * BLOCK_N, q_start, seq_q, k_start, seq_lo, seq_hi, Lse2, Delta, 0, BLOCK_M, STAGES,
+                       HAS_LEFT, HAS_RIGHT, VARLEN)
 
 
 @gluon.jit
 def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
-               first_key, q_start, seqlen_q, k_start, lo, hi, Lse2, Delta, ring_position, tile, seqlen_k,
+               first_key, q_start, seqlen_q, k_start, lo, hi, Lse2, Delta, ring_position,
                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-               VARLEN: gl.constexpr, WALK_PERIOD: gl.constexpr):
+               VARLEN: gl.constexpr):
     """The tile's K and V block once, then Q, dO and the row statistics of every query block that
     sees it, for each query head of the KV head (rows and keys counted from q_start and k_start),
     through the ring from ``ring_position``; returns the ring position after the tile.
@@ -194,8 +163,7 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [batch, kv_head, k_start + first_key, 0], kv_ready, k_smem)
     tma_load(v_desc, [batch, kv_head, k_start + first_key, 0], kv_ready, v_smem)
-    m_start, _, _, m_end, walk = _walk(tile, first_key, seqlen_q, seqlen_k, lo, hi, BLOCK_M, BLOCK_N, HAS_LEFT,
-                                       HAS_RIGHT, WALK_PERIOD)
+    m_start, _, _, m_end = query_blocks(first_key, BLOCK_N, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     steps = (m_end - m_start) // BLOCK_M
     for member in range(group_size):
         head = kv_head * group_size + member
@@ -206,7 +174,7 @@ def _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do
             slot = position % STAGES
             # A free barrier completes once per use; the first wait finds it free.
             mbarrier.wait(q_free.index(slot), ((position // STAGES) & 1) ^ 1)
-            first_row = _walk_row(m_start + step * BLOCK_M, walk)
+            first_row = m_start + step * BLOCK_M
             if VARLEN:
                 stats = rows_base + first_row + gl.arange(0, BLOCK_M, layout=_ROW_STATS_LAYOUT)
                 lse_smem.index(slot).store(gl.load(Lse2 + stats))
@@ -227,8 +195,8 @@ def _query_steps(
     dk, dv,  # [CONSUMER_KEYS, HEAD_DIM] f32 accumulators
     k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
     q_ready, q_free, ds_ready, ds_free, dq_desc,
-    batch, head, keys, position_base, m_first, m_begin, m_stop, walk, q_start, seqlen_q, seqlen_k, lo, hi, qk_scale,
-    mods, dropout, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+    batch, head, keys, position_base, m_first, m_begin, m_stop, q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+    dropout, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
     DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr,
     ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr,
@@ -261,9 +229,8 @@ def _query_steps(
     # DQ_LATE: the previous step's dQᵀ and its first row (-1: none), stored after this step's first products
     pending_dq = gl.zeros([DQ_COLUMNS, BLOCK_M], gl.float32, layout=dq_t_layout)
     pending_m = -1
-    for linear_m in range(m_begin, m_stop, BLOCK_M):
-        position = position_base + (linear_m - m_first) // BLOCK_M
-        m = _walk_row(linear_m, walk)  # the ring's order: the load warp walks the same rows
+    for m in range(m_begin, m_stop, BLOCK_M):
+        position = position_base + (m - m_first) // BLOCK_M
         slot = position % STAGES
         if DROPOUT:  # the step's flags, drawn while only dK and dV hold registers
             RngState, rng_row, high_bound, _, first_key, key_rows = dropout
@@ -389,7 +356,6 @@ def _consumer_partition(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
     LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
     DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
-    WALK_PERIOD: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
      q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
@@ -412,9 +378,9 @@ def _consumer_partition(
                     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready,
                     kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale,
                     qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k,
-                    seq_lo, seq_hi, sequence, ring_position, tile_count, tile, rng, seqlen_q, CONSUMER, CONSUMERS,
-                    BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI,
-                    VARLEN, DROPOUT, MASK, KV_REGISTERS, WALK_PERIOD)
+                    seq_lo, seq_hi, sequence, ring_position, tile_count, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
+                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN,
+                    DROPOUT, MASK, KV_REGISTERS)
                 tile_count += 1
             handed += 1
             tile = take_tile(tile_slots, handed)
@@ -425,9 +391,9 @@ def _consumer_partition(
             _consumer_tile(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging,
                            kv_ready, kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size,
                            scale, qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q,
-                           k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, gl.program_id(0), rng, seqlen_q, CONSUMER,
-                           CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY,
-                           DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK, KV_REGISTERS, WALK_PERIOD)
+                           k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
+                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI,
+                           VARLEN, DROPOUT, MASK, KV_REGISTERS)
     tma.store_wait(0)
 
 
@@ -436,10 +402,10 @@ def _consumer_tile(
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
     q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale, qk_scale, score_args, packed,
     batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence, ring_position, tile_count,
-    tile, rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
     LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-    DROPOUT: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr, WALK_PERIOD: gl.constexpr,
+    DROPOUT: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
 ):
     """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
     query block and query head that sees them, then their stores. Its query blocks sit at ring
@@ -455,8 +421,10 @@ def _consumer_tile(
     own_first_key = first_key + CONSUMER * CONSUMER_KEYS
     keys = own_first_key + gl.arange(0, CONSUMER_KEYS, layout=gl.SliceLayout(1, s_layout))
     key_positions = keys.to(gl.float32)
-    m_start, full_start, full_end, m_end, walk = _walk(tile, first_key, seqlen_q, seqlen_k, lo, hi, BLOCK_M, BLOCK_N,
-                                                       HAS_LEFT, HAS_RIGHT, WALK_PERIOD)
+    m_start, full_start, full_end, m_end = query_blocks(
+        first_key, BLOCK_N, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    if first_key + BLOCK_N > seqlen_k:  # keys past the end: every block takes the mask
+        full_end = full_start
     steps = (m_end - m_start) // BLOCK_M
     k_rows = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(CONSUMER * CONSUMER_KEYS, CONSUMER_KEYS)
     v_rows = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(CONSUMER * CONSUMER_KEYS, CONSUMER_KEYS)
@@ -487,20 +455,17 @@ def _consumer_tile(
             dropout = (rng[0], rng_row, rng[1], rng[2], own_first_key, key_rows)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, walk,
-            q_start,
+            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
             HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, walk,
-            q_start,
+            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT,
             HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, walk,
-            q_start,
+            q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
             HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
     mbarrier.arrive(kv_free, count=1)  # every product that reads K and V has completed
@@ -529,7 +494,7 @@ def attention_backward_hopper_kernel(
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr,
     DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr, WALK_PERIOD: gl.constexpr,
+    DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
 ):
     """One tile per (batch, KV head, key block of 64 x CONSUMERS keys), num_tiles of them: one
     program per tile, or with DYNAMIC persistent programs that take them from the int32 counter at
@@ -603,18 +568,16 @@ def attention_backward_hopper_kernel(
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
                                     DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
-                                    KV_REGISTERS, WALK_PERIOD)),
-             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC,
-                                WALK_PERIOD))],
+                                    KV_REGISTERS)),
+             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
                                     DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
-                                    KV_REGISTERS, WALK_PERIOD)),
+                                    KV_REGISTERS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
                                     DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
-                                    KV_REGISTERS, WALK_PERIOD)),
-             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC,
-                                WALK_PERIOD))],
+                                    KV_REGISTERS)),
+             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

@@ -43,9 +43,7 @@ class HopperBackwardSchedule:
     ``kv_registers``: each consumer holds its K and V rows in registers, the A operands of Sᵀ = K Qᵀ
     and dPᵀ = V dOᵀ, which then read only Qᵀ and dOᵀ from shared memory (D = 64 only: at D = 128
     the 64 registers spill; dropout builds, whose draws need the registers, keep them in shared
-    memory). ``rotate_walk``: the programs running at once walk the same query rows at the same time
-    (tile t starts its walk (t % P) / P of the way along, P the multiprocessors), not each from the
-    first row, so that a long sequence's Q, dO and dQ stay in L2.
+    memory).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -57,7 +55,6 @@ class HopperBackwardSchedule:
     lse_early: bool = False
     dq_late: bool = False
     kv_registers: bool = False
-    rotate_walk: bool = False
 
     def __post_init__(self):
         checks = {"block_m": self.block_m in (64, 128), "stages": 1 <= self.stages <= 4,
@@ -82,21 +79,15 @@ class HopperBackwardSchedule:
         return "HopperBackwardSchedule(" + ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items()) + ")"
 
 
-# From this many query rows a D = 128 backward without a window walks its rows rotated: below it
-# every (batch, head)'s Q, dO and dQ fit in L2 (docs/perf.md, session 13).
-ROTATED_WALK_FROM = 32768
-
-
-def default_backward_schedule(head_dim: int, *, windowed: bool = True, seqlen_q: int = 0) -> HopperBackwardSchedule:
+def default_backward_schedule(head_dim: int) -> HopperBackwardSchedule:
     """On the H100 (docs/perf.md, sessions 7, 10 and 13): at D = 64 tiles taken one at a time
     (1.02-1.07x), dQ stored late (1.02-1.05x) and K and V in registers (1.03-1.08x); at D = 128 one
     program per key block (shared memory holds one K/V block, so the next tile's cannot load early;
     dynamic tiles lose 4-11% on causal, window and packed cases) and the LSE read early
-    (1.01-1.03x; at D = 64 it loses 1-3%), and from ROTATED_WALK_FROM query rows without a window
-    (``windowed``: causal included) the rotated walk (1.04x at 32k and 64k; causal 0.94x)."""
+    (1.01-1.03x; at D = 64 it loses 1-3%)."""
     if head_dim <= 64:
         return HopperBackwardSchedule(dynamic=True, dq_late=True, kv_registers=True)
-    return HopperBackwardSchedule(lse_early=True, rotate_walk=not windowed and seqlen_q >= ROTATED_WALK_FROM)
+    return HopperBackwardSchedule(lse_early=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,7 +105,7 @@ _INTEGER_ARGS = ("padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqle
 
 def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, has_right: bool,
                            schedule: HopperBackwardSchedule, compute_dq: bool = True,
-                           features: ScoreFeatures = NO_FEATURES, varlen: bool = False, programs_at_once: int = 132):
+                           features: ScoreFeatures = NO_FEATURES, varlen: bool = False):
     """The Gluon backward's compile source for one static configuration, and its constexpr values
     (``features.sinks`` changes nothing in the kernel: the LSE counts them; ``varlen``: packed
     sequences; ``features.dropout``: the forward's pattern, regenerated)."""
@@ -131,8 +122,7 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                  "DQ_LATE": schedule.dq_late and compute_dq and not features.modifies_scores,
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
                  "DYNAMIC": schedule.dynamic, "MASK": features.mask_constexpr,
-                 "KV_REGISTERS": schedule.kv_registers and not features.dropout,
-                 "WALK_PERIOD": programs_at_once if schedule.rotate_walk else 0}
+                 "KV_REGISTERS": schedule.kv_registers and not features.dropout}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
                  "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
@@ -162,7 +152,7 @@ def compiled_hopper_backward(device: torch.device, dtype: torch.dtype, head_dim:
     """Compiled once per device and static configuration; a failed build returns a
     :class:`fmha.runtime.KernelBuildError` (remembered), and the portable backward runs."""
     return build_gluon(device, lambda: hopper_backward_source(dtype, head_dim, has_left, has_right, schedule, compute_dq,
-                                                              features, varlen, multiprocessors(device)),
+                                                              features, varlen),
                        hopper_backward_options(schedule), "backward")
 
 
