@@ -89,8 +89,10 @@ def main():
             schedules[",".join(f"{k}={v}" for k, v in fields.items())] = fields
         times = {label: [] for label in schedules}
         reference = None
-        for _ in range(args.rounds):
-            for label, fields in schedules.items():
+        for round_index in range(args.rounds):
+            # every other round in reverse: a schedule's place in the round must not favour it
+            order = list(schedules.items())[::-1 if round_index % 2 else 1]
+            for label, fields in order:
                 if fields is None:
                     backward_launch.default_backward_schedule = shipped
                 else:
