@@ -57,7 +57,7 @@ for variant in json.loads(sys.argv[1]):
     mask = next((name[len("mask_"):] for name in extra if name.startswith("mask_") and name != "mask_strided"), "")
     features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=alibi, sinks="sinks" in extra,
                                     dropout="dropout" in extra, mask=mask, mask_keys=0 if "mask_strided" in extra else 2)
-    source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left="left" in extra,
+    source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left=2 if "wide" in extra else int("left" in extra),
                                              varlen="varlen" in extra, features=features)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -68,7 +68,7 @@ for variant in json.loads(sys.argv[1]):
     sass = sass_of(compiled.asm["cubin"])
     report[",".join(map(str, variant))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2", "MUFU.TANH",
-                                                 "STL")},
+                                                 "STL", "ISETP")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
         # shared-memory stores and loads (STS, LDS; not STSM, LDSM)
         "sts": len(re.findall(r"\bSTS\b", sass)), "lds": len(re.findall(r"\bLDS\b", sass)),
@@ -108,6 +108,7 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (128, False, 2, 128, 2, 0, 2, 1, "softcap", "alibi", "sinks", "dropout"),
             (64, True, 2, 128, 2, 8, 2, 1, "dynamic"), (128, True, 2, 128, 2, 0, 2, 1, "left", "dynamic"),
             (128, True, 2, 128, 2, 0, 2, 1, "varlen", "dynamic"), (64, True, 1, 64, 2, 0, 2, 3, "dynamic"),
+            (128, True, 2, 128, 2, 0, 2, 1, "wide", "dynamic"),
             (128, True, 2, 128, 2, 0, 2, 1, "pingpong"), (64, True, 2, 128, 2, 8, 2, 1, "dynamic", "left", "pingpong"),
             (64, True, 2, 128, 3, 8, 1, 1, "softcap", "varlen"), (64, True, 2, 128, 4, 8, 1, 1, "softcap"),
             (128, False, 2, 64, 3, 0, 2, 1, "mask_bool"), (64, False, 2, 128, 2, 8, 2, 1, "mask_bool"),
@@ -254,6 +255,33 @@ def test_refused_off_hopper_with_a_reason():
     params = attention_params("test", q, q, q)
     reason = hopper_backend.HopperBackend().refusal(params, q, q, q)
     assert reason and ("interpreter" in reason or "TRITON_INTERPRET" in reason or "CUDA" in reason)
+
+
+def test_wide_windows_check_one_side_at_the_right_end(hopper_builds):
+    """A wide window's masked blocks at a tile's right end compare each score with the right bound
+    only: fewer integer compares than the build for any left bound."""
+    wide = hopper_builds["128,True,2,128,2,0,2,1,wide,dynamic"]["counts"]
+    general = hopper_builds["128,True,2,128,2,0,2,1,left,dynamic"]["counts"]
+    assert wide["HGMMA"] > 0 and wide["ISETP"] < general["ISETP"]
+
+
+@pytest.mark.parametrize("window, seqlen_q, seqlen_k, varlen, expected", [
+    ((1023, 0), 16384, 16384, False, 2), ((255, 0), 4096, 4096, False, 1), ((256, 0), 4096, 4096, False, 2),
+    ((1000, 500), 4096, 4096, False, 2), ((200, 500), 4096, 4096, False, 1), ((1023, 0), 1000, 3000, False, 2),
+    ((1023, 0), 2000, 2000, True, 2), ((200, 0), 2000, 2000, True, 1), (None, 4096, 4096, False, 0)])
+def test_left_bound_is_wide_where_the_right_end_blocks_see_every_left_bound(window, seqlen_q, seqlen_k, varlen,
+                                                                              expected):
+    """WIDE_LEFT where the window (left + right) spans a tile's rows (128) and a key block (128) more than
+    its right side reaches past the diagonal."""
+    if varlen:
+        q = torch.randn(seqlen_q, 2, 128, dtype=torch.float16)
+        cu = torch.tensor([0, seqlen_q // 2, seqlen_q], dtype=torch.int32)
+        params = fmha.params.varlen_params("test", q, q, q, cu, cu, seqlen_q, seqlen_q, causal=True, window=window)
+    else:
+        q = torch.randn(1, 2, seqlen_q, 128, dtype=torch.float16)
+        k = torch.randn(1, 2, seqlen_k, 128, dtype=torch.float16)
+        params = attention_params("test", q, k, k, causal=window is None, window=window)
+    assert launch.left_bound(params, HopperSchedule()) == expected
 
 
 def test_dynamic_tiles_need_a_persistent_schedule():

@@ -61,6 +61,9 @@ from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, NO_MASK, alibi_form, draw_l
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
+# HAS_LEFT: 0 no left bound, 1 a left bound, WIDE_LEFT a window so wide (fmha.backends.gluon_sm90.launch.left_bound)
+# that the masked blocks at a tile's right end lie right of every row's left bound.
+WIDE_LEFT: gl.constexpr = gl.constexpr(2)
 CONSUMER_WARPS = gl.constexpr(4)
 
 
@@ -523,12 +526,17 @@ def _tile_dropout(first_row, rng_row, rng_key, threshold, ROWS: gl.constexpr, BL
 
 @gluon.jit
 def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, masked,
-                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+                         left_side_only, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
                          SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr):
-    """The first block of a tile: nothing to rescale yet."""
+    """The first block of a tile: nothing to rescale yet. ``left_side_only``: every key of the block
+    is at or before every row's right bound, so a window's mask leaves that bound out (K's end stays)."""
     row_max = gl.full([scores.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     row_sum = gl.zeros([scores.shape[0]], gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
-    if masked:
+    if masked & left_side_only:  # set for windows only
+        probs, rescale, row_max, row_sum = _softmax_block(
+            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, True,
+            HAS_LEFT, False, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
+    elif masked:
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, True,
             HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
@@ -674,10 +682,16 @@ def _consumer_tile(
             mask_tile = _block_mask(mods, start * BLOCK_N, keys0, seq_k, score_args, True, MASK, MASK_KEYS)
             scores = warpgroup_mma_wait(0, deps=(scores,))
             slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
+            # A window's edge blocks need only one side of the mask unless the window is narrow: one
+            # compare per score instead of two. The first block may lie left of every row's right bound;
+            # with WIDE_LEFT the last ones lie right of every row's left bound.
+            left_side_only = False
+            if HAS_LEFT and HAS_RIGHT:
+                left_side_only = (start + 1) * BLOCK_N <= row0 + seq_hi + 1
             probs, row_max, row_sum = _softmax_first_block(
                 scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods, mask_tile,
-                (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK,
-                MASK_KEYS)
+                (start < full_start) | (start >= full_end), left_side_only, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
+                SOFTCAP, ALIBI, MASK, MASK_KEYS)
             if DROPOUT:
                 probs = dropped(probs, start * BLOCK_N, mods[3])
             # Blocks wholly visible to every row run without masks; the window's edges and the end
@@ -695,11 +709,18 @@ def _consumer_tile(
                 rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
                 SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
-            acc, probs, row_max, row_sum = _pipelined_blocks(
-                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
-                rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
-                mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
-                SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
+            if HAS_LEFT == WIDE_LEFT and HAS_RIGHT:
+                acc, probs, row_max, row_sum = _pipelined_blocks(
+                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
+                    rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
+                    mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, False, HAS_RIGHT, EMULATED_EXP2,
+                    SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
+            else:
+                acc, probs, row_max, row_sum = _pipelined_blocks(
+                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
+                    rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
+                    mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
+                    SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
             last = ring_position + end - start - 1
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)

@@ -15,7 +15,7 @@ from ...params import AttentionParams
 from ...runtime import KernelBuildError, multiprocessors, run_compiled
 from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout_threshold, window_bounds
 from ..triton.forward import LOG2_E
-from .forward import attention_forward_hopper_kernel, register_budget
+from .forward import WIDE_LEFT, attention_forward_hopper_kernel, register_budget
 from .scores import (ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF, BOOL_MASK, FLOAT_MASK, NO_MASK, PAIRED_MASK_KEYS,
                      STRIDED_MASK_KEYS, UNIT_MASK_KEYS)
 from .schedule import CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule
@@ -154,10 +154,11 @@ _INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi"
 
 
 def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, schedule: HopperSchedule,
-                          has_left: bool = False, varlen: bool = False, features: ScoreFeatures = NO_FEATURES):
+                          has_left: int = 0, varlen: bool = False, features: ScoreFeatures = NO_FEATURES):
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
-    ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one;
+    ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one (HAS_LEFT,
+    :func:`left_bound`: 1, or WIDE_LEFT for a wide window);
     ``varlen``: packed sequences; ``features``: softcap, ALiBi, sinks, dropout and the attn_mask.
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
@@ -194,9 +195,28 @@ def hopper_compile_options(schedule: HopperSchedule) -> dict:
     return {"num_warps": 4, "maxnreg": register_budget(schedule.consumers, schedule.ctas_per_sm)[0], **COMPILE_OPTIONS}
 
 
+def left_bound(params: AttentionParams, schedule: HopperSchedule) -> int:
+    """The HAS_LEFT constexpr: 0 without a left bound; WIDE_LEFT (2) where the window is at least a
+    tile's rows plus a key block wider than its right side, so that the masked key blocks at a tile's
+    right end (the right bound's, or K's end) lie right of every row's left bound and check only the
+    right side; else 1."""
+    options = params.options
+    if options.window_left is None:
+        return 0
+    if options.window_right is None or (options.top_left and params.varlen):
+        return 1
+    # How far a row's right bound can reach past K's end: past the diagonal, and with the windows
+    # aligned top-left, by the rows that K does not reach.
+    beyond_end = max(options.window_right, 0)
+    if options.top_left:
+        beyond_end += max(params.seqlen_q - params.seqlen_k, 0)
+    wide = options.window_left + options.window_right >= schedule.block_m + schedule.block_n + beyond_end
+    return WIDE_LEFT.value if wide else 1
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
-                            schedule: HopperSchedule, has_left: bool = False, varlen: bool = False,
+                            schedule: HopperSchedule, has_left: int = 0, varlen: bool = False,
                             features: ScoreFeatures = NO_FEATURES):
     """Compiled once per device and static configuration (Triton's disk cache still applies).
 
@@ -245,8 +265,8 @@ class HopperForward:
         has_left, has_right, lo, hi = window_bounds(params)
         self.schedule, self.device, self.varlen = schedule, params.device, params.varlen
         features = ScoreFeatures.forward_of(params)
-        self.build = (params.device, params.dtype, params.head_dim, has_right, schedule, has_left, params.varlen,
-                      features)
+        self.build = (params.device, params.dtype, params.head_dim, has_right, schedule,
+                      left_bound(params, schedule), params.varlen, features)
         built = compiled_hopper_forward(*self.build)
         if isinstance(built, KernelBuildError):
             raise built
