@@ -267,12 +267,11 @@ def test_wide_windows_check_one_side_at_the_right_end(hopper_builds):
 
 @pytest.mark.parametrize("window, seqlen_q, seqlen_k, varlen, expected", [
     ((1023, 0), 16384, 16384, False, 2), ((255, 0), 4096, 4096, False, 1), ((256, 0), 4096, 4096, False, 2),
-    ((1000, 500), 4096, 4096, False, 2), ((200, 500), 4096, 4096, False, 1), ((1023, 0), 1000, 3000, False, 2),
+    ((1000, 500), 4096, 4096, False, 1), ((300, 0), 4096, 2048, False, 2), ((1023, 0), 1000, 3000, False, 2),
     ((1023, 0), 2000, 2000, True, 2), ((200, 0), 2000, 2000, True, 1), (None, 4096, 4096, False, 0)])
 def test_left_bound_is_wide_where_the_right_end_blocks_see_every_left_bound(window, seqlen_q, seqlen_k, varlen,
                                                                               expected):
-    """WIDE_LEFT where the window (left + right) spans a tile's rows (128) and a key block (128) more than
-    its right side reaches past the diagonal."""
+    """WIDE_LEFT for causal-style windows (right <= 0) at least a tile's rows (128) plus a key block (128) wide."""
     if varlen:
         q = torch.randn(seqlen_q, 2, 128, dtype=torch.float16)
         cu = torch.tensor([0, seqlen_q // 2, seqlen_q], dtype=torch.int32)

@@ -196,21 +196,18 @@ def hopper_compile_options(schedule: HopperSchedule) -> dict:
 
 
 def left_bound(params: AttentionParams, schedule: HopperSchedule) -> int:
-    """The HAS_LEFT constexpr: 0 without a left bound; WIDE_LEFT (2) where the window is at least a
-    tile's rows plus a key block wider than its right side, so that the masked key blocks at a tile's
-    right end (the right bound's, or K's end) lie right of every row's left bound and check only the
-    right side; else 1."""
+    """The HAS_LEFT constexpr: 0 without a left bound; WIDE_LEFT (2) for a causal-style window (right
+    bound at or left of the diagonal, bottom-right aligned) at least a tile's rows plus a key block
+    wide, so that the masked key blocks at a tile's right end (the right bound's, or K's end) lie
+    right of every row's left bound and check only the right side; else 1. (Windows reaching past
+    the diagonal would need the width to grow by that reach too; they keep the two-sided mask, as
+    they were not measured.)"""
     options = params.options
     if options.window_left is None:
         return 0
-    if options.window_right is None or (options.top_left and params.varlen):
+    if options.window_right is None or options.window_right > 0 or options.top_left:
         return 1
-    # How far a row's right bound can reach past K's end: past the diagonal, and with the windows
-    # aligned top-left, by the rows that K does not reach.
-    beyond_end = max(options.window_right, 0)
-    if options.top_left:
-        beyond_end += max(params.seqlen_q - params.seqlen_k, 0)
-    wide = options.window_left + options.window_right >= schedule.block_m + schedule.block_n + beyond_end
+    wide = options.window_left + options.window_right >= schedule.block_m + schedule.block_n
     return WIDE_LEFT.value if wide else 1
 
 
