@@ -432,8 +432,8 @@ def _consumer_tile(
     dv = gl.zeros([CONSUMER_KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     mbarrier.wait(kv_ready, tile_count & 1)
     if KV_REGISTERS:  # the A operands of Sᵀ and dPᵀ from registers: half their shared-memory reads
-        k_rows = k_rows.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        v_rows = v_rows.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        k_rows = k_rows.load(operand_layout(BLOCK_M))
+        v_rows = v_rows.load(operand_layout(BLOCK_M))
     for member in range(group_size):
         head = kv_head * group_size + member
         position_base = ring_position + member * steps

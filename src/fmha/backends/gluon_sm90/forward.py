@@ -709,18 +709,12 @@ def _consumer_tile(
                 rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
                 SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
-            if HAS_LEFT == WIDE_LEFT and HAS_RIGHT:
-                acc, probs, row_max, row_sum = _pipelined_blocks(
-                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
-                    rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
-                    mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, False, HAS_RIGHT, EMULATED_EXP2,
-                    SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
-            else:
-                acc, probs, row_max, row_sum = _pipelined_blocks(
-                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
-                    rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
-                    mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
-                    SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
+            RIGHT_END_LEFT: gl.constexpr = HAS_LEFT and not (HAS_LEFT == WIDE_LEFT and HAS_RIGHT)
+            acc, probs, row_max, row_sum = _pipelined_blocks(
+                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
+                rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
+                mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, RIGHT_END_LEFT, HAS_RIGHT,
+                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
             last = ring_position + end - start - 1
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
