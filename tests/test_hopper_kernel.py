@@ -68,7 +68,7 @@ for variant in json.loads(sys.argv[1]):
     sass = sass_of(compiled.asm["cubin"])
     report[",".join(map(str, variant))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2", "MUFU.TANH",
-                                                 "STL", "ISETP")},
+                                                 "STL", "ISETP", "HSET2", "PRMT")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
         # shared-memory stores and loads (STS, LDS; not STSM, LDSM)
         "sts": len(re.findall(r"\bSTS\b", sass)), "lds": len(re.findall(r"\bLDS\b", sass)),
@@ -227,12 +227,15 @@ def test_emulated_exponentials_leave_the_mufu_unit(hopper_builds):
 def test_dropout_draws_in_registers(hopper_builds, variant):
     """Each thread draws the bits of its own accumulator columns: no tile passes through shared
     memory. The partitions' captured arguments (the seed's pointer, the threshold and the scale,
-    16 bytes) are the only shared memory added; Philox multiplies by IMAD.WIDE.U32."""
+    16 bytes) are the only shared memory added; Philox multiplies by IMAD.WIDE.U32, and each key
+    pair's two draws are compared at once (HSET2, whose mask clears the pair's P·V operand word)."""
     plain = hopper_builds[",".join(map(str, [part for part in variant if part != "dropout"]))]
     build = hopper_builds[",".join(map(str, variant))]
     assert 0 <= build["shared"] - plain["shared"] <= 16
     assert (build["sts"], build["lds"]) == (plain["sts"], plain["lds"])
     assert build["wide_multiplies"] > plain["wide_multiplies"]
+    assert build["counts"]["HSET2"] > 0 == plain["counts"]["HSET2"]
+    assert build["counts"]["PRMT"] >= build["counts"]["HSET2"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -396,15 +399,16 @@ def test_dropout_runs_both_gluon_kernels(monkeypatch):
         assert backend.backward_refusal(on_cuda(dropout_p=dropout_p), *[q] * 7) is None
 
 
-def test_dropout_probabilities_that_drop_nothing_build_without_it():
+def test_dropout_builds_only_where_p_is_positive():
+    # Every p > 0 drops something (at least one draw value in 256), so only p = 0 builds without it.
     from fmha.backends.gluon_sm90 import launch
 
     q = torch.empty((1, 2, 100, 64), dtype=torch.float16)
     features = [launch.ScoreFeatures.of(attention_params("test", q, q, q, dropout_p=p).options)
-                for p in (0.0, 0.4 / 2 ** 16, 0.6 / 2 ** 16, 1.0)]
-    assert [f.dropout for f in features] == [False, False, True, True]
+                for p in (0.0, 1e-9, 0.4 / 256, 1.0)]
+    assert [f.dropout for f in features] == [False, True, True, True]
     assert launch.ScoreFeatures.dropout_scalars(attention_params("test", q, q, q, dropout_p=0.25).options) == (
-        16384, 4 / 3)
+        64, 4 / 3)
 
 
 def test_an_explicit_schedule_that_cannot_run_raises_instead_of_switching_kernels():

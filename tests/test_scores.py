@@ -15,7 +15,7 @@ from fmha import ops
 from fmha.backends.gluon_sm90.backend import attn_mask_refusal
 from fmha.backends.triton.config import SplitKVConfig
 from fmha.backends.triton.launch import dropout_keep_mask, dropout_threshold, kernel_dropout_p
-from fmha.backends.triton.scores import dropout_keep
+from fmha.backends.triton.scores import PHILOX_ROUNDS, dropout_keep
 from fmha.masking import Window
 from fmha.reference import dense_attention
 
@@ -187,7 +187,7 @@ def test_dropout_matches_float64_with_the_kernels_pattern(shape, options, dtype)
     window = Window.of(seqlen_q, seqlen_k, left=window[0], right=window[1]) if window else None
     reference = dict(causal_offset=seqlen_k - seqlen_q) if options.get("causal") else dict(window=window)
     scores = {name: value for name, value in options.items() if name in ("softcap", "sinks")}
-    dropout = dict(dropout_p=kernel_dropout_p(0.3), keep=keep)  # 0.3 to the kernels' 2^-16 steps
+    dropout = dict(dropout_p=kernel_dropout_p(0.3), keep=keep)  # 0.3 to the kernels' 1/256 steps
     assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), **dropout, **reference, **scores)
     grads, dout = grads_with_sinks(out, q, k, v, {})
     assert_grads_close(grads, q, k, v, dout, **dropout, **reference, **scores)
@@ -207,22 +207,25 @@ def test_dropout_statistics():
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0], keep[1])
 
 
-def test_dropout_draws_16_bits_and_rounds_p_to_them():
+def test_dropout_draws_8_bits_and_rounds_p_to_them():
     # Find one score's draw d by bisection over the thresholds: it is kept exactly while
-    # round(p * 2^16) <= d, so the p that round to d keep it and the next step drops it.
+    # round(p * 256) <= d, so the p that round to d keep it and the next step drops it.
     key = ops.dropout_seed(torch.Generator().manual_seed(2), "cpu")
 
     def kept(p):
         return dropout_keep_mask(key, 1, 16, p)[0, 5].item()
 
-    low, high = 0, 2 ** 16  # kept at threshold low, dropped at high
+    low, high = 0, 256  # kept at threshold low, dropped at high
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if kept(middle / 2 ** 16) else (low, middle)
+        low, high = (middle, high) if kept(middle / 256) else (low, middle)
     draw = low
-    assert kept((draw - 0.49) / 2 ** 16) and kept((draw + 0.49) / 2 ** 16)
-    assert not kept((draw + 0.51) / 2 ** 16)
-    assert kernel_dropout_p((draw + 0.49) / 2 ** 16) == draw / 2 ** 16
+    assert kept((draw - 0.49) / 256) and kept((draw + 0.49) / 256)
+    assert not kept((draw + 0.51) / 256)
+    if draw >= 1:
+        assert kernel_dropout_p((draw + 0.49) / 256) == draw / 256
+    # Every p strictly between 0 and 1 drops some draws and keeps others.
+    assert [dropout_threshold(p) for p in (0.0, 1e-9, 0.4 / 256, 0.3, 1 - 1e-9, 1.0)] == [0, 1, 1, 77, 255, 256]
 
 
 @pytest.mark.parametrize("block_keys", [32, 64, 128])
@@ -233,15 +236,15 @@ def test_dropout_pattern_is_the_same_for_every_tile_width(block_keys):
     assert 0.4 < narrow.float().mean() < 0.6
 
 
-# Philox-4x32-10 and the key-to-draw mapping in NumPy: the arithmetic the Gluon forward writes
-# again (fmha.backends.gluon_sm90.scores), checked against the portable kernels' pattern.
+# Philox-4x32 and the key-to-draw mapping in NumPy: the arithmetic the Gluon kernels write again
+# (fmha.backends.gluon_sm90.scores), checked against the portable kernels' pattern.
 
 WORD = 0xFFFFFFFF
 
 
-def philox_reference(c0, c1, c2, c3, key0, key1):
-    """Philox-4x32-10 (Salmon et al., SC 2011) on uint64 arrays of 32-bit words; the key as ints."""
-    for _ in range(10):
+def philox_reference(c0, c1, c2, c3, key0, key1, rounds=10):
+    """Philox-4x32 (Salmon et al., SC 2011) on uint64 arrays of 32-bit words; the key as ints."""
+    for _ in range(rounds):
         product_b, product_a = c2 * 0xCD9E8D57, c0 * 0xD2511F53  # 32 x 32 bits: exact in 64
         c0, c1, c2, c3 = ((product_b >> 32) ^ c1 ^ key0, product_b & WORD,
                           (product_a >> 32) ^ c3 ^ key1, product_a & WORD)
@@ -250,23 +253,25 @@ def philox_reference(c0, c1, c2, c3, key0, key1):
 
 
 def counter_words(seed: int, counters):
-    """``tl.randint4x(seed, counters)``: the 64-bit counter's halves as c0 and c1, c2 = c3 = 0, and
-    the seed's halves as the key."""
+    """``tl.randint4x(seed, counters, PHILOX_ROUNDS)``: the 64-bit counter's halves as c0 and c1,
+    c2 = c3 = 0, and the seed's halves as the key."""
     counters = np.asarray(counters, dtype=np.uint64)
     zeros = np.zeros_like(counters)
-    return philox_reference(counters & WORD, counters >> 32, zeros, zeros, seed & WORD, seed >> 32)
+    return philox_reference(counters & WORD, counters >> 32, zeros, zeros, seed & WORD, seed >> 32,
+                            rounds=PHILOX_ROUNDS.value)
 
 
 def keep_reference(seed: int, rng_row: int, rows, keys, threshold: int):
-    """Key j of row i (counted within its sequence) keeps its probability where half j % 2 of word
-    2 · ((i // 8) % 2) + (j // 8) % 2 of the counter with low word ``4 · (j // 16) + (j % 8) // 2``
-    and high word ``rng_row + i - (i & 8)`` is >= threshold."""
+    """Key j of row i (counted within its sequence) keeps its probability where byte
+    2 · ((j // 8) % 2) + j % 2 of word 2 · ((i // 8) % 2) + (j // 16) % 2 of the counter with low
+    word ``4 · (j // 32) + (j % 8) // 2`` and high word ``rng_row + i - (i & 8)`` is >= threshold."""
     rows = np.asarray(rows, dtype=np.uint64)[:, None]
     keys = np.asarray(keys, dtype=np.uint64)[None, :]
-    counters = ((np.uint64(rng_row) + rows - (rows & np.uint64(8))) << np.uint64(32)) | (4 * (keys // 16) + (keys % 8) // 2)
-    word = 2 * ((rows // 8) % 2) + (keys // 8) % 2
+    counters = ((np.uint64(rng_row) + rows - (rows & np.uint64(8))) << np.uint64(32)) | (4 * (keys // 32) + (keys % 8) // 2)
+    word = 2 * ((rows // 8) % 2) + (keys // 16) % 2
+    byte = 2 * ((keys // 8) % 2) + keys % 2
     words = np.choose(np.broadcast_to(word, counters.shape).astype(np.intp), counter_words(seed, counters))
-    return (words >> (16 * (keys % 2))) & 0xFFFF >= threshold
+    return (words >> (np.uint64(8) * byte)) & np.uint64(0xFF) >= threshold
 
 
 def test_philox_reference_gives_the_known_answers():
@@ -280,7 +285,7 @@ def test_philox_reference_gives_the_known_answers():
         assert tuple(int(word[0]) for word in words) == expected
 
 
-@pytest.mark.parametrize("dropout_p", [0.3, 0.5 / 2 ** 16 + 1e-9, 1 - 1e-6])
+@pytest.mark.parametrize("dropout_p", [0.3, 1e-9, 1 - 1e-6])
 def test_dropout_pattern_is_philox_of_its_documented_counters(dropout_p):
     key = ops.dropout_seed(torch.Generator().manual_seed(11), "cpu")
     seqlen_q, keys = 37, 200
@@ -304,54 +309,66 @@ def test_dropout_rows_use_the_whole_high_word():
     key = ops.dropout_seed(torch.Generator().manual_seed(12), "cpu")
     for rng_row in (2 ** 31 - 16, 2 ** 32 - 40):
         keep = torch.empty(32, 96, dtype=torch.bool)
-        _keep_from_counters[(3,)](key, keep, rng_row, 20000, BLOCK_M=32, BLOCK_N=32)
-        expected = keep_reference(int(key.item()), rng_row, np.arange(32), np.arange(96), 20000)
+        _keep_from_counters[(3,)](key, keep, rng_row, 77, BLOCK_M=32, BLOCK_N=32)
+        expected = keep_reference(int(key.item()), rng_row, np.arange(32), np.arange(96), 77)
         np.testing.assert_array_equal(keep.numpy(), expected)
 
 
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_gluon_forward_draw_tiles_give_the_same_pattern(block_n):
-    """The steps of fmha.backends.gluon_sm90.scores.dropped in NumPy (``gl.join`` stacks on a new
-    last axis): a [32, block_n // 4] tile of counters, one per (row pair, four keys), whose four
-    words expand to a consumer's 64 rows by block_n keys, and the two bounds that compare the low
-    and the high halves."""
+    """The steps of fmha.backends.gluon_sm90.scores.dropout_draws and dropped in NumPy (``gl.join``
+    stacks on a new last axis): a [32, block_n // 8] tile of counters, one per (row pair, eight
+    keys), each word's byte pairs spread to 16-bit halves (PRMT 0x4140 and 0x4342), the halves
+    expanded to a consumer's 64 rows by block_n keys, and each key's half compared with the
+    threshold as a half-precision number, as ``set.ge.u32.f16x2`` compares them."""
     seed = int(ops.dropout_seed(torch.Generator().manual_seed(13), "cpu").item())
     first_row, rng_row, keys_per_row = 128, 5000, 1000
     pairs = np.arange(32, dtype=np.uint64)
     row_words = np.uint64(rng_row + first_row) + 16 * (pairs // 8) + pairs % 8
-    for threshold in (1, 2, 19661, 65535, 65536):
-        low_bound, high_bound = threshold - 1, (threshold - 1) * 65536 + 0xFFFF
+    byte = [lambda word, b=b: (word >> np.uint64(8 * b)) & np.uint64(0xFF) for b in range(4)]
+    for threshold in (1, 2, 77, 255, 256):
         for key_start in range(0, keys_per_row, block_n):
-            groups = np.uint64(key_start // 4) + np.arange(block_n // 4, dtype=np.uint64)
+            groups = np.uint64(key_start // 8) + np.arange(block_n // 8, dtype=np.uint64)
             word0, word1, word2, word3 = counter_words(seed, (row_words[:, None] << np.uint64(32)) | groups[None, :])
             words = np.stack([np.stack([word0, word1], -1), np.stack([word2, word3], -1)], -1)
-            keep = np.stack([(words & 0xFFFF) > low_bound, words > high_bound], -1)
-            keep = keep.reshape(4, 8, block_n // 16, 4, 2, 2, 2).transpose(0, 5, 1, 2, 4, 3, 6).reshape(64, block_n)
+            near = byte[0](words) | (byte[1](words) << np.uint64(16))
+            far = byte[2](words) | (byte[3](words) << np.uint64(16))
+            halves = np.stack([near, far], -1)
+            halves = np.stack([halves, halves], -1)
+            halves = halves.reshape(4, 8, block_n // 32, 4, 2, 2, 2, 2).transpose(0, 5, 1, 2, 4, 6, 3, 7)
+            halves = halves.reshape(64, block_n)
+            own_half = (halves >> (np.uint64(16) * (np.arange(block_n, dtype=np.uint64) % 2))) & np.uint64(0xFFFF)
+            keep = own_half.astype(np.uint16).view(np.float16) >= np.uint16(threshold).view(np.float16)
             expected = keep_reference(seed, rng_row, np.arange(first_row, first_row + 64),
                                       np.arange(key_start, key_start + block_n), threshold)
             np.testing.assert_array_equal(keep, expected)
+            np.testing.assert_array_equal(own_half >= threshold, expected)  # the half-precision order is the integers'
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_gluon_backward_draw_tiles_give_the_same_pattern(block_m):
     """The steps of fmha.backends.gluon_sm90.scores.transposed_keep_bits and unpack_keep in NumPy: a
-    consumer's 64 keys as rows, a [32, block_m // 2] tile of counters, one per (key without bit 3,
-    query pair), each key taking its half of the words by a shift, four flags to a nibble, the
-    pairs a thread holds in registers folded into one word, and the way back to the [64, block_m]
-    tile of Sᵀ."""
+    consumer's 64 keys as rows, a [32, block_m // 2] tile of counters, one per (key without bits 0
+    and 3, query pair), each query row taking its word by the keys' bit 4 and each key its byte by
+    a shift to the top of the word, four flags to a nibble, the pairs a thread holds in registers
+    folded into one word, and the way back to the [64, block_m] tile of Sᵀ."""
     seed = int(ops.dropout_seed(torch.Generator().manual_seed(14), "cpu").item())
     first_key, rng_row, seqlen_q = 192, 300, 700
     key_rows = np.arange(32, dtype=np.uint64)  # key bits 0-2 and 4-5 of the consumer's 64 keys
-    key_groups = np.uint64(first_key // 4) + 4 * (key_rows // 8) + (key_rows % 8) // 2
-    shifts = ((key_rows & np.uint64(1)) ^ np.uint64(1)) * np.uint64(16)
+    key_groups = np.uint64(first_key // 8) + 4 * (key_rows // 16) + (key_rows % 8) // 2
+    near_shifts = (np.uint64(24) - np.uint64(8) * (key_rows & np.uint64(1)))[:, None]
+    far_shifts = (np.uint64(8) - np.uint64(8) * (key_rows & np.uint64(1)))[:, None]
+    upper = ((key_rows // 8) % 2 == 1)[:, None]
     pairs = np.arange(block_m // 2, dtype=np.uint64)
-    for threshold in (1, 2, 19661, 65535, 65536):
-        high_bound = (threshold - 1) * 65536 + 0xFFFF
+    for threshold in (1, 2, 77, 255, 256):
+        high_bound = np.uint64((threshold * 2 ** 24 - 1) & WORD)  # uint32 arithmetic: 256 wraps to 2^32 - 1
         for first_row in range(0, seqlen_q, block_m):
             row_words = np.uint64(rng_row + first_row) + 16 * (pairs // 8) + pairs % 8
-            words = counter_words(seed, (row_words[None, :] << np.uint64(32)) | key_groups[:, None])
-            nibbles = sum(((((word << shifts[:, None]) & np.uint64(WORD)) > high_bound).astype(np.uint64) << np.uint64(w))
-                          for w, word in enumerate(words))  # [32, pairs]
+            word0, word1, word2, word3 = counter_words(seed, (row_words[None, :] << np.uint64(32)) | key_groups[:, None])
+            first, second = np.where(upper, word1, word0), np.where(upper, word3, word2)
+            flags = [((word << shifts) & np.uint64(WORD)) > high_bound
+                     for word in (first, second) for shifts in (near_shifts, far_shifts)]
+            nibbles = sum(flag.astype(np.uint64) << np.uint64(bit) for bit, flag in enumerate(flags))  # [32, pairs]
             split = nibbles.reshape(32, block_m // 16, 4, 2)
             bits = (split[..., 0] | (split[..., 1] << np.uint64(4))).transpose(0, 2, 1)  # [32, 4, block_m // 16]
             for width in (8, 16, 32)[:(block_m // 16).bit_length() - 1]:
@@ -411,12 +428,12 @@ def test_dropout_edge_probabilities():
     assert all((grad == 0).all() for grad in grads)
     plain = fmha.attention(q, k, v)
     assert torch.equal(fmha.attention(q, k, v, dropout_p=0.0, generator=torch.Generator()), plain)
-    # p is rounded to a multiple of 2^-16: below half a step nothing drops (and nothing is
-    # rescaled), above 1 - half a step everything does (scaled by 0, not 1/0).
-    assert torch.equal(fmha.attention(q, k, v, dropout_p=0.4 / 2 ** 16), plain)
-    out = fmha.attention(q, k, v, dropout_p=1 - 0.4 / 2 ** 16)
-    assert (out == 0).all()
-    assert all((grad == 0).all() for grad in torch.autograd.grad(out.sum(), (q, k, v)))
+    # p is rounded to a multiple of 1/256, but a p between 0 and 1 still drops some scores and
+    # keeps others (scaled by 256, not 1/0, at p = 1 - 1e-9).
+    tiny = fmha.attention(q, k, v, dropout_p=1e-9, generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(tiny, plain) and torch.isfinite(tiny).all()
+    almost_all = fmha.attention(q, k, v, dropout_p=1 - 1e-9, generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(almost_all).all() and (almost_all != 0).any()
 
 
 def test_flash_attn_functions_take_softcap_alibi_and_dropout():

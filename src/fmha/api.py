@@ -154,7 +154,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
         sinks: float32 (Hq,), learnable: each row's softmax denominator gains ``exp(sinks[h])``, mass
             that goes to no key (gpt-oss). Differentiable.
         dropout_p: probability of dropping each entry of P (kept ones scaled by 1 / (1 - p)), as in
-            FlashAttention, with p rounded to a multiple of 2^-16 (16 random bits per entry); the
+            FlashAttention-2, with p rounded to a multiple of 1/256 (8 random bits per entry; any
+            0 < p < 1 stays between 1/256 and 255/256, and the scale is that of the rounded p); the
             random bits come from ``generator`` (None: torch's default generator of q's device), one
             key drawn per call, so the same generator state gives the same output and gradients.
         return_lse: also return the natural-log LSE, float32 (B, Hq, Sq); not differentiable. With

@@ -38,8 +38,10 @@ blocks are masked to -inf.
 
 Dropout (DROPOUT) keeps the portable kernels' pattern bit for bit, so that their backward, which
 regenerates it, can follow this forward: each consumer thread runs Philox for the counters of its
-own accumulator columns (:func:`fmha.backends.gluon_sm90.scores.dropped`) after the block's row
-sum, which counts every probability; only the kept ones enter P·V.
+own accumulator columns (:func:`fmha.backends.gluon_sm90.scores.dropout_draws`) after the block's
+row sum, which counts every probability, and the draws clear the dropped probabilities where
+P·V takes its operand (:func:`fmha.backends.gluon_sm90.scores.dropped`): only the kept ones enter
+P·V.
 """
 
 from triton.experimental import gluon
@@ -56,8 +58,8 @@ from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from . import slot_barriers
 from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 from .masking import key_blocks, sequence_span, visible
-from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, NO_MASK, alibi_form, draw_layout, dropout_key, dropped,
-                     expand_mask, load_mask, mask_rows, masked_scores, pair_rows, tanh_approx)
+from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, NO_MASK, alibi_form, draw_layout, dropout_draws, dropout_key,
+                     dropped, expand_mask, load_mask, mask_rows, masked_scores, pair_rows, tanh_approx)
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -514,14 +516,13 @@ def _block_mask(mods, key_start, keys0, seqlen_k, score_args, MASKED: gl.constex
 
 @gluon.jit
 def _tile_dropout(first_row, rng_row, rng_key, threshold, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """``(key, row_words, bounds)`` of a consumer's ROWS rows from ``first_row``: the Philox key,
-    each row pair's counter high word and the bounds that keep a draw
+    """``(key, row_words, thresholds)`` of a consumer's ROWS rows from ``first_row``: the Philox key,
+    each row pair's counter high word and the threshold in both halves of a word
     (:func:`fmha.backends.gluon_sm90.scores.dropped`; ``threshold`` >= 1). Counters are numbered as
     the portable kernels number them (:func:`fmha.backends.triton.scores.score_mods`): row i of the
     tile's (batch, head) is row ``rng_row + i`` of the call."""
     row_words = pair_rows(first_row, rng_row, ROWS // 2, gl.SliceLayout(1, draw_layout(BLOCK_N)))
-    threshold = threshold.to(gl.uint32)
-    return rng_key, row_words, (threshold - 1, (threshold - 1) * 65536 + 0xFFFF)
+    return rng_key, row_words, threshold.to(gl.uint32) * 65537
 
 
 @gluon.jit
@@ -548,8 +549,20 @@ def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_sc
 
 
 @gluon.jit
+def _p_operand(probs, draws, dropout, dtype: gl.constexpr, layout: gl.constexpr, DROPOUT: gl.constexpr):
+    """P·V's operand from a block's probabilities: rounded to ``dtype``, with dropout's zeros (the
+    block's ``draws``, :func:`fmha.backends.gluon_sm90.scores.dropout_draws`) where it is on. Made
+    where P·V takes it, so the words go straight to the operand's registers."""
+    if DROPOUT:
+        p = dropped(probs, draws, dropout[2], dtype)
+    else:
+        p = probs.to(dtype)
+    return gl.convert_layout(p, layout)
+
+
+@gluon.jit
 def _pipelined_blocks(
-    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
+    acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
     rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods, score_args,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
@@ -557,7 +570,8 @@ def _pipelined_blocks(
     MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
 ):
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
-    sits at ring position ring_base + b. ``probs``: those of the block before, dropout applied."""
+    sits at ring position ring_base + b. ``probs``: those of the block before; ``draws``: its
+    dropout draws (DROPOUT), applied where P·V takes P (:func:`_p_operand`)."""
     ROWS: gl.constexpr = q.shape[0]
     p_layout: gl.constexpr = operand_layout(HEAD_DIM)
     o_rows: gl.constexpr = gl.SliceLayout(1, accumulator_layout(HEAD_DIM))
@@ -569,14 +583,14 @@ def _pipelined_blocks(
         mbarrier.wait(k_ready.index(slot), (position // STAGES) & 1)
         k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
         if TURN >= 0:  # everything but the products before the turn
-            p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
+            p = _p_operand(probs, draws, mods[3], v_smem.dtype, p_layout, DROPOUT)  # [ROWS, BLOCK_N]
             _take_turn(TURN)
         scores = _scores(q, k, no_scores, mods, ALIBI)
         mask_tile = _block_mask(mods, block * BLOCK_N, keys0, seqlen_k, score_args, MASKED, MASK, MASK_KEYS)
         mbarrier.wait(v_ready.index(prev_slot), ((position - 1) // STAGES) & 1)
         v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
         if TURN < 0:
-            p = gl.convert_layout(probs.to(v_smem.dtype), p_layout)  # [ROWS, BLOCK_N]
+            p = _p_operand(probs, draws, mods[3], v_smem.dtype, p_layout, DROPOUT)  # [ROWS, BLOCK_N]
         acc = warpgroup_mma(p, v, acc, is_async=True)
         _pass_turn(TURN)
         # wgmma groups retire in order: this waits for the scores, not for P·V.
@@ -586,11 +600,11 @@ def _pipelined_blocks(
             scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods, mask_tile,
             MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
         if DROPOUT:  # the row sum counts every probability, P·V only the kept ones
-            probs = dropped(probs, block * BLOCK_N, mods[3])
+            draws = dropout_draws(block * BLOCK_N, mods[3], BLOCK_N)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         slot_barriers.signal(_v_slot_barrier(prev_slot, STAGES), _slot_threads(CONSUMERS))
         acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
-    return acc, probs, row_max, row_sum
+    return acc, probs, draws, row_max, row_sum
 
 
 @gluon.jit
@@ -692,26 +706,27 @@ def _consumer_tile(
                 scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods, mask_tile,
                 (start < full_start) | (start >= full_end), left_side_only, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
                 SOFTCAP, ALIBI, MASK, MASK_KEYS)
+            draws = 0
             if DROPOUT:
-                probs = dropped(probs, start * BLOCK_N, mods[3])
+                draws = dropout_draws(start * BLOCK_N, mods[3], BLOCK_N)
             # Blocks wholly visible to every row run without masks; the window's edges and the end
             # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
             unmasked_start = gl.maximum(full_start, start + 1)
             unmasked_end = gl.maximum(full_end, unmasked_start)
             if HAS_LEFT:
-                acc, probs, row_max, row_sum = _pipelined_blocks(
-                    acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
+                acc, probs, draws, row_max, row_sum = _pipelined_blocks(
+                    acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                     rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
                     mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
                     SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
-            acc, probs, row_max, row_sum = _pipelined_blocks(
-                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
+            acc, probs, draws, row_max, row_sum = _pipelined_blocks(
+                acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
                 SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
             RIGHT_END_LEFT: gl.constexpr = HAS_LEFT and not (HAS_LEFT == WIDE_LEFT and HAS_RIGHT)
-            acc, probs, row_max, row_sum = _pipelined_blocks(
-                acc, probs, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
+            acc, probs, draws, row_max, row_sum = _pipelined_blocks(
+                acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, RIGHT_END_LEFT, HAS_RIGHT,
                 EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
@@ -719,7 +734,7 @@ def _consumer_tile(
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
             v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
-            p = gl.convert_layout(probs.to(dtype), p_layout)
+            p = _p_operand(probs, draws, mods[3], dtype, p_layout, DROPOUT)
             _take_turn(TURN)
             acc = warpgroup_mma(p, v, acc, is_async=True)
             _pass_turn(TURN)
@@ -831,7 +846,7 @@ def attention_forward_hopper_kernel(
     ``scale / softcap``, ``softcap_scale`` is ``softcap · log2 e``), ALIBI (slopes (B, Hq) through
     stride_ab, stride_ah; stride_ab 0 for (Hq,); ALIBI_CAUSAL where no row sees a key after its
     position), SINKS (one per query head, stride_sh), DROPOUT (the int64 Philox seed at RngState;
-    a draw >= ``dropout_threshold``, from 1 to 2^16, keeps its probability in P·V, and the output
+    an 8-bit draw >= ``dropout_threshold``, from 1 to 256, keeps its probability in P·V, and the output
     is scaled by ``dropout_scale``; the statistics and the LSE are those before dropout), MASK
     (SDPA's attn_mask of (batch, head) at ``Mask + batch · stride_mb + head · stride_mh``, strides
     in elements; BOOL_MASK: int8, 0 hides the key; FLOAT_MASK: added to the scores; MASK_KEYS: how

@@ -15,19 +15,24 @@ follows its row (causal), the bias is a term per key plus one per row; the forwa
 tensor cores add the key term (one more k-step of Q·Kᵀ, ALIBI_CAUSAL_MMA), and only the row's
 shift is left for the softmax.
 
-Dropout draws the portable kernels' bits (:func:`fmha.backends.triton.scores.dropout_keep`): Philox-4x32-10
-keyed by the call's seed, one counter per two rows (i and i + 8) by four keys (j, j + 1, j + 8,
-j + 9). Those eight scores sit in one thread of a wgmma accumulator, so the forward runs Philox
-once per counter of its own scores (:func:`draw_layout`) and the draws land where the probabilities
-are, with no exchange. The backward's tiles hold keys as rows (Sᵀ): a thread there holds four of a
-counter's scores (two keys by two rows), and the thread holding the key beside them computes the
-same counter for the other four (:func:`transposed_draw_layout`).
+Dropout draws the portable kernels' bits (:func:`fmha.backends.triton.scores.dropout_keep`): Philox-4x32-7
+keyed by the call's seed, one counter per two rows (i and i + 8) by eight keys (j + {0, 1, 8, 9, 16,
+17, 24, 25}), an 8-bit draw each. Those sixteen scores sit in one thread of a wgmma accumulator, so
+the forward runs Philox once per counter of its own scores (:func:`draw_layout`) and the draws land
+where the probabilities are, with no exchange: a key pair's two bytes become the 16-bit halves of
+one word (one PRMT), compared by one half-precision instruction (``set.f16x2``: the bytes are
+small non-negative halves, ordered as integers) whose mask clears the dropped halves of the pair's
+P·V operand word. The
+backward's tiles hold keys as rows (Sᵀ): a thread there holds four of a counter's scores (keys j
+and j + 8 by two rows), and the threads holding the other keys compute the same counter
+(:func:`transposed_draw_layout`).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ..triton.scores import BOOL_MASK, FLOAT_MASK, LOG2_E, NO_MASK  # noqa: F401 - SDPA's attn_mask, the MASK constexpr
+from ..triton.scores import PHILOX_ROUNDS
 
 
 # The ALIBI constexpr: off, the distance both ways, or only keys at or before each row's position
@@ -192,7 +197,7 @@ def modified_scores(raw, row_positions, key_positions, qk_scale, softcap_scale, 
     return scores, capped
 
 
-# Philox-4x32-10's constants (as triton.language.random draws it): the round multipliers and the
+# Philox-4x32's constants (as triton.language.random draws it): the round multipliers and the
 # key's increments per round.
 PHILOX_ROUND_A: gl.constexpr = gl.constexpr(0xD2511F53)
 PHILOX_ROUND_B: gl.constexpr = gl.constexpr(0xCD9E8D57)
@@ -202,24 +207,25 @@ PHILOX_KEY_B: gl.constexpr = gl.constexpr(0xBB67AE85)
 
 @gluon.constexpr_function
 def draw_layout(columns):
-    """The layout of a [32, columns // 4] tile of counters, one per (row pair, 4 keys) of a consumer
+    """The layout of a [32, columns // 8] tile of counters, one per (row pair, 8 keys) of a consumer
     warpgroup's [64, columns] accumulator (``NVMMADistributedLayout`` version 3: warp w holds rows
     16w..16w+15, lane t rows t // 4 and t // 4 + 8 of them, and columns 2 · (t % 4) + {0, 1} + 8i).
-    Row p is the pair of rows 16 · (p // 8) + p % 8 and 8 below it; column c the keys 16 · (c // 4)
-    + 2 · (c % 4) + {0, 1, 8, 9}: p // 8 and p % 8 sit in the warps and lanes as the rows do, c % 4
-    in the lanes and c // 4 in the registers as the columns' bits 1-2 and 4 up, so each thread holds
-    its scores' counters."""
-    registers = [[0, 4 << bit] for bit in range((columns // 16).bit_length() - 1)]
+    Row p is the pair of rows 16 · (p // 8) + p % 8 and 8 below it; column c the keys 32 · (c // 4)
+    + 2 · (c % 4) + {0, 1, 8, 9, 16, 17, 24, 25}: p // 8 and p % 8 sit in the warps and lanes as the
+    rows do, c % 4 in the lanes and c // 4 in the registers as the columns' bits 1-2 and 5 up, so
+    each thread holds its scores' counters."""
+    registers = [[0, 4 << bit] for bit in range((columns // 32).bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, columns // 4])
+                                      warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, columns // 8])
 
 
 @gluon.constexpr_function
 def transposed_draw_layout(rows):
     """The layout of a [32, rows // 2] tile of counters for the backward's [64 keys, rows] accumulator
     (Sᵀ; the accumulator layout of :func:`draw_layout`, keys in place of rows). Row r is key
-    16 · (r // 8) + r % 8 (and 8 below it: the same counter), column p the query pair 16 · (p // 8)
-    + p % 8 and 8 below it; lanes t and t ^ 4 (keys 2k and 2k + 1) compute the same counters."""
+    16 · (r // 8) + r % 8 (and 8 below it), column p the query pair 16 · (p // 8) + p % 8 and 8
+    below it; the four threads holding keys 2k and 2k + 1 of a 32-key block (lanes t and t ^ 4,
+    warps w and w ^ 1) compute the same counter."""
     registers = [[0, 1]] + [[0, 8 << bit] for bit in range((rows // 16).bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[32, rows // 2])
@@ -240,12 +246,12 @@ def _wide_product(x, FACTOR: gl.constexpr):
 
 @gluon.jit
 def philox(c0, c1, key0, key1):
-    """The four words of Philox-4x32-10 for the counter ``(c0, c1, 0, 0)`` (uint32 tensors) and
-    the key ``(key0, key1)`` (uint32 scalars): ``triton.language.randint4x``'s result."""
+    """The four words of Philox-4x32-7 for the counter ``(c0, c1, 0, 0)`` (uint32 tensors) and the
+    key ``(key0, key1)`` (uint32 scalars): ``triton.language.randint4x(..., PHILOX_ROUNDS)``'s result."""
     # Round one with c2 = c3 = 0: its product of c2 is zero.
     low, high = _wide_product(c0, PHILOX_ROUND_A)
     c0, c1, c2, c3 = c1 ^ key0, gl.zeros_like(c0), high ^ key1, low
-    for _ in gl.static_range(9):
+    for _ in gl.static_range(PHILOX_ROUNDS - 1):
         key0 = key0 + PHILOX_KEY_A
         key1 = key1 + PHILOX_KEY_B
         low_a, high_a = _wide_product(c0, PHILOX_ROUND_A)
@@ -272,53 +278,82 @@ def pair_rows(first_row, rng_row, PAIRS: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def dropped(probs, key_start, dropout):
-    """``probs`` ([64, BLOCK_N] of keys key_start.., a multiple of 16, in the wgmma accumulator
-    layout) with the dropped ones zeroed. ``dropout``: ``(key, row_words, bounds)``, the Philox
-    key, each row pair's counter high word (:func:`pair_rows`, ``gl.SliceLayout(1, draw_layout(BLOCK_N))``) and
-    ``(threshold - 1, 2^16 · threshold - 1)`` (uint32, 1 <= threshold <= 2^16): a draw is kept
-    where it is >= threshold, the high half compared as the whole word (no shift).
+def dropout_draws(key_start, dropout, BLOCK_N: gl.constexpr):
+    """The Philox words of a consumer's [64, BLOCK_N] block of keys key_start.. (a multiple of 32),
+    for :func:`dropped`: uint32 [32, BLOCK_N // 8, 2, 2] in :func:`draw_layout` (joined), counter
+    (pair, group) by ((j // 16) % 2, (i // 8) % 2). ``dropout``: ``(key, row_words, thresholds)``,
+    the Philox key, each row pair's counter high word (:func:`pair_rows`, ``gl.SliceLayout(1,
+    draw_layout(BLOCK_N))``) and the threshold in both 16-bit halves of a word (``65537 ·
+    threshold``, 1 <= threshold <= 256).
 
-    Key j of row i takes half j % 2 of word 2 · ((i // 8) % 2) + (j // 8) % 2 of the counter (low
-    word ``4 · (j // 16) + (j % 8) // 2``, high word the pair's row): column c of the [32, BLOCK_N // 4]
-    counter tile in :func:`draw_layout` is the block's group c, and its eight draws are the thread's
-    own scores."""
-    ROWS: gl.constexpr = probs.shape[0]
-    BLOCK_N: gl.constexpr = probs.shape[1]
-    key, row_words, bounds = dropout
-    low_bound, high_bound = bounds
-    groups = (key_start // 4 + gl.arange(0, BLOCK_N // 4, layout=gl.SliceLayout(0, draw_layout(BLOCK_N))))
+    Key j of row i takes byte 2 · ((j // 8) % 2) + j % 2 of word 2 · ((i // 8) % 2) + (j // 16) % 2
+    of the counter whose low word is ``4 · (j // 32) + (j % 8) // 2`` and high word the pair's row:
+    column c of the [32, BLOCK_N // 8] counter tile is the block's group c, and its sixteen draws
+    are the thread's own scores."""
+    key, row_words, _ = dropout
+    groups = (key_start // 8 + gl.arange(0, BLOCK_N // 8, layout=gl.SliceLayout(0, draw_layout(BLOCK_N))))
     groups, rows = gl.broadcast(groups.to(gl.uint32)[None, :], row_words[:, None])
     word0, word1, word2, word3 = philox(groups, rows, key[0], key[1])
-    words = gl.join(gl.join(word0, word1), gl.join(word2, word3))  # [pair, group, word % 2, word // 2]
-    keep = gl.join((words & 0xFFFF) > low_bound, words > high_bound)  # [..., half]
-    # to row 16 · (pair // 8) + 8 · (word // 2) + pair % 8, key 16 · (group // 4) + 8 · (word % 2) + 2 · (group % 4)
-    # + half: the accumulator's own scores, no data moves
-    keep = keep.reshape([ROWS // 16, 8, BLOCK_N // 16, 4, 2, 2, 2]).permute((0, 5, 1, 2, 4, 3, 6))
-    keep = gl.convert_layout(keep.reshape([ROWS, BLOCK_N]), probs.type.layout, assert_trivial=True)
-    return gl.where(keep, probs, 0.0)
+    return gl.join(gl.join(word0, word1), gl.join(word2, word3))
+
+
+@gluon.constexpr_function
+def _dropped_pair_asm(dtype):
+    # Both draws of a key pair against the threshold (0xFFFF in each half that keeps), the pair's
+    # probabilities rounded to one word of two 16-bit values, and the mask applied to the word.
+    convert = "cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32"
+    return ("{\n.reg .b32 keep, pair;\nset.ge.u32.f16x2 keep, $3, $5;\n" + convert + " pair, $2, $1;\n"
+            "and.b32 $0, pair, keep;\n}")
+
+
+@gluon.jit
+def dropped(probs, draws, thresholds, dtype: gl.constexpr):
+    """``probs`` ([64, BLOCK_N] in the wgmma accumulator layout) in ``dtype`` (bf16 or fp16, P·V's
+    operand), the dropped ones zero: ``draws`` from :func:`dropout_draws` for the same keys,
+    ``thresholds`` the threshold in both halves of a word."""
+    ROWS: gl.constexpr = probs.shape[0]
+    BLOCK_N: gl.constexpr = probs.shape[1]
+    # A word's bytes 0-1 (keys j, j + 1) and 2-3 (keys j + 8, j + 9) as the 16-bit halves of a word each.
+    near, far = gl.inline_asm_elementwise("prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;", "=r,=r,r",
+                                          [draws], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
+    halves = gl.join(near, far)  # [pair, group, (j // 16) % 2, (i // 8) % 2, (j // 8) % 2]
+    halves = gl.join(halves, halves)  # [..., j % 2]: the key pair's two scores share the word
+    # to row 16 · (pair // 8) + 8 · ((i // 8) % 2) + pair % 8, key 32 · (group // 4) + 16 · ((j // 16) % 2)
+    # + 8 · ((j // 8) % 2) + 2 · (group % 4) + j % 2: the accumulator's own scores, no data moves
+    halves = halves.reshape([ROWS // 16, 8, BLOCK_N // 32, 4, 2, 2, 2, 2]).permute((0, 5, 1, 2, 4, 6, 3, 7))
+    halves = gl.convert_layout(halves.reshape([ROWS, BLOCK_N]), probs.type.layout, assert_trivial=True)
+    # One instance per key pair (consecutive registers, the pair's halves in key order).
+    return gl.inline_asm_elementwise(
+        _dropped_pair_asm(dtype), "=r,r,r,r,r,r,r",
+        [probs, halves, gl.full(probs.shape, thresholds, gl.uint32, probs.type.layout)],
+        dtype=gl.int16, is_pure=True, pack=2).to(dtype, bitcast=True)
 
 
 @gluon.jit
 def transposed_keep_bits(first_key, key_rows, row_words, key, high_bound, ROWS: gl.constexpr):
-    """Which scores of Sᵀ (64 keys from ``first_key``, a multiple of 16, by ROWS query rows) survive
+    """Which scores of Sᵀ (64 keys from ``first_key``, a multiple of 64, by ROWS query rows) survive
     dropout, the pattern of :func:`dropped`, as one word of flags per thread ([32, 4, 1]; uint32,
     or uint64 for 128 rows): the backward draws them before its products, when few registers are
     live, and :func:`unpack_keep` expands them where they are used. ``key_rows``: int32
     ``arange(32)`` in ``gl.SliceLayout(1, transposed_draw_layout(ROWS))`` (key 16 · (r // 8) + r % 8
     and 8 below it); ``row_words``: the query pairs' counter high words (:func:`pair_rows`,
-    ``gl.SliceLayout(0, ...)``); ``high_bound``: ``2^16 · threshold - 1``.
+    ``gl.SliceLayout(0, ...)``); ``high_bound``: ``2^24 · threshold - 1``.
 
-    Each key takes its half of the words by a shift: the high half as it is, the low one moved up.
-    A counter's four flags (word w: bit w) fill a nibble; the pairs a thread holds in registers
-    (pair bit 0, then bits 3 and up) are folded into the word."""
+    Each of the two query rows takes its word (by the keys' bit 4), and each key its byte by a
+    shift to the top of the word. A counter's four flags (query row r, key + 8 · s: bit 2r + s) fill
+    a nibble; the pairs a thread holds in registers (pair bit 0, then bits 3 and up) are folded into
+    the word."""
     BITS: gl.constexpr = gl.uint32 if ROWS <= 64 else gl.uint64
-    groups = first_key // 4 + 4 * (key_rows // 8) + (key_rows % 8) // 2
-    shifts = (((key_rows & 1) ^ 1).to(gl.uint32) * 16)[:, None]
+    groups = first_key // 8 + 4 * (key_rows // 16) + (key_rows % 8) // 2
+    near_shifts = (24 - 8 * (key_rows & 1)).to(gl.uint32)[:, None]  # byte j % 2 (key j), to the top
+    far_shifts = (8 - 8 * (key_rows & 1)).to(gl.uint32)[:, None]  # byte 2 + j % 2 (key j + 8)
+    upper = ((key_rows // 8) % 2 == 1)[:, None]  # (j // 16) % 2
     groups, rows = gl.broadcast(groups.to(gl.uint32)[:, None], row_words[None, :])
     word0, word1, word2, word3 = philox(groups, rows, key[0], key[1])
-    nibbles = (((word0 << shifts) > high_bound).to(BITS) | (((word1 << shifts) > high_bound).to(BITS) << 1)
-               | (((word2 << shifts) > high_bound).to(BITS) << 2) | (((word3 << shifts) > high_bound).to(BITS) << 3))
+    first, second = gl.where(upper, word1, word0), gl.where(upper, word3, word2)  # query rows i, i + 8
+    nibbles = (((first << near_shifts) > high_bound).to(BITS) | (((first << far_shifts) > high_bound).to(BITS) << 1)
+               | (((second << near_shifts) > high_bound).to(BITS) << 2)
+               | (((second << far_shifts) > high_bound).to(BITS) << 3))
     low, high = gl.split(nibbles.reshape([32, ROWS // 16, 4, 2]))  # pair bit 0
     bits = (low | (high << 4)).permute((0, 2, 1))  # [32, 4, ROWS // 16]: 8 flags each
     bits = _fold(bits, 8)

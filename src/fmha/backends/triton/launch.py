@@ -21,11 +21,13 @@ from ...runtime import (INTERPRETED, TensorDescriptor, compiles_to_ptx, compute_
 from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel, sinks_grad_kernel
 from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatures, SplitKVConfig, padded_head_dim
 from .forward import LOG2_E, attention_forward_kernel
-from .scores import BOOL_MASK, EXACT_TANH, FAST_TANH, FLOAT_MASK, NO_MASK, NO_SOFTCAP, dropout_mask_kernel
+from .scores import (BOOL_MASK, DRAW_BITS, EXACT_TANH, FAST_TANH, FLOAT_MASK, NO_MASK, NO_SOFTCAP,
+                     dropout_mask_kernel)
 from .split_kv import attention_split_kv_kernel, split_kv_combine_kernel
 from .varlen import varlen_schedule_kernel
 
 SPLIT_KV_COMBINE_ROWS = 16
+DRAW_LEVELS = 1 << DRAW_BITS.value  # the values of a dropout draw
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -55,20 +57,26 @@ def softcap_tanh(params: AttentionParams) -> int:
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """A score's 16 random bits (fmha.backends.triton.scores.dropout_keep) >= this keep it:
-    ``round(p · 2^16)``, from 0 (keep all) to 2^16 (drop all)."""
-    return math.floor(dropout_p * 2 ** 16 + 0.5)
+    """A score's 8-bit draw (fmha.backends.triton.scores.dropout_keep) >= this keeps it: ``p · 256``
+    to the nearest integer, from 0 (p <= 0: keep all) to 256 (p >= 1: drop all), and between 1 and
+    255 for every 0 < p < 1, so a call with dropout always drops and keeps some scores."""
+    if dropout_p <= 0:
+        return 0
+    if dropout_p >= 1:
+        return DRAW_LEVELS
+    return min(max(math.floor(dropout_p * DRAW_LEVELS + 0.5), 1), DRAW_LEVELS - 1)
 
 
 def kernel_dropout_p(dropout_p: float) -> float:
-    """The drop probability the kernels realise: p to the nearest multiple of 2^-16. The kept
-    probabilities are scaled by ``1 / (1 - kernel_dropout_p(p))``, so each stays unbiased."""
-    return dropout_threshold(dropout_p) / 2 ** 16
+    """The drop probability the kernels realise: p to a multiple of 1/256, as FlashAttention-2's
+    8-bit draws do (:func:`dropout_threshold`). The kept probabilities are scaled by
+    ``1 / (1 - kernel_dropout_p(p))``, so each stays unbiased."""
+    return dropout_threshold(dropout_p) / DRAW_LEVELS
 
 
 def dropout_scale(dropout_p: float) -> float:
     """What the kernels scale kept probabilities by: ``1 / (1 - kernel_dropout_p(p))``, and 0 where
-    every probability is dropped (p rounds to 1) rather than 1/0."""
+    every probability is dropped (p >= 1) rather than 1/0."""
     kept = 1.0 - kernel_dropout_p(dropout_p)
     return 1.0 / kept if kept > 0 else 0.0
 

@@ -84,36 +84,60 @@ def score_tile(raw, rows, keys, seqlen_q, seqlen_k, qk_scale, softcap_scale, slo
     return scores, capped
 
 
+# Philox-4x32's rounds per draw: FlashAttention-2's seven (Random123 finds seven enough for its
+# statistical tests; ten is its default, with margin).
+PHILOX_ROUNDS: tl.constexpr = tl.constexpr(7)
+# Each counter's four words give sixteen 8-bit draws: two rows by eight keys.
+DRAW_BITS: tl.constexpr = tl.constexpr(8)
+
+
+@triton.jit
+def _draws(seed, rng_row, rows, first_key, BLOCK_M: tl.constexpr, KEYS: tl.constexpr):
+    """uint32 [BLOCK_M, KEYS]: the 8-bit draws of rows ``rows`` (the first a multiple of 16) and keys
+    [first_key, first_key + KEYS) (both multiples of 32); see :func:`dropout_keep`."""
+    # rows i with i % 16 < 8: the first row of each pair
+    leaders, _ = tl.split(rows.reshape(BLOCK_M // 16, 2, 8).permute(0, 2, 1))  # [M / 16, 8]
+    groups = (first_key // 8 + tl.arange(0, KEYS // 8)).to(tl.int64)  # [N / 8]: 4 · (j // 32) + (j % 8) // 2
+    counters = ((rng_row + leaders.to(tl.int64)) << 32)[:, :, None] | groups[None, None, :]
+    word0, word1, word2, word3 = tl.randint4x(seed, counters, PHILOX_ROUNDS)
+    # [M/16, i % 8, group, word % 2 (= (j // 16) % 2), word // 2 (= (i // 8) % 2)]
+    words = tl.join(tl.join(word0, word1), tl.join(word2, word3)).to(tl.uint32, bitcast=True)
+    # byte b of a word: b % 2 = j % 2, b // 2 = (j // 8) % 2
+    draws = tl.join(tl.join(words & 0xFF, (words >> 8) & 0xFF), tl.join((words >> 16) & 0xFF, words >> 24))
+    # [M/16, i % 8, j // 32, (j % 8) // 2, (j // 16) % 2, (i // 8) % 2, j % 2, (j // 8) % 2] to row
+    # 16 · (i // 16) + 8 · ((i // 8) % 2) + i % 8, key 32 · (j // 32) + 16 · .. + 8 · .. + 2 · .. + j % 2
+    draws = draws.reshape(BLOCK_M // 16, 8, KEYS // 32, 4, 2, 2, 2, 2).permute(0, 5, 1, 2, 4, 7, 3, 6)
+    return draws.reshape(BLOCK_M, KEYS)
+
+
 @triton.jit
 def dropout_keep(seed, rng_row, rows, first_key, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool tile: which probabilities of rows ``rows`` (counted within their
     sequence, the first a multiple of 16) and keys [first_key, first_key + BLOCK_N) survive dropout.
 
-    Philox-4x32-10 (key ``seed``) gives four 32-bit words per counter, eight 16-bit draws, for a
-    block of two rows by four keys: rows i and i + 8 (i % 16 < 8) and keys j, j + 1, j + 8, j + 9
-    (j % 16 < 8, even). Key j of row i takes half j % 2 (low, high) of word 2 · ((i // 8) % 2) +
-    (j // 8) % 2 of the counter whose low word is the key group ``4 · (j // 16) + (j % 8) // 2`` and
-    whose high word is the pair's first row ``rng_row + i - (i & 8)``.
+    Philox-4x32-7 (key ``seed``) gives four 32-bit words per counter, sixteen 8-bit draws, for a
+    block of two rows by eight keys: rows i and i + 8 (i % 16 < 8) and keys j + {0, 1, 8, 9, 16, 17,
+    24, 25} (j % 32 < 8, even). Key j of row i takes byte 2 · ((j // 8) % 2) + j % 2 of word
+    2 · ((i // 8) % 2) + (j // 16) % 2 of the counter whose low word is the key group
+    ``4 · (j // 32) + (j % 8) // 2`` and whose high word is the pair's first row ``rng_row + i - (i & 8)``.
     A score's bits depend on its (row, key) alone, so the backward, whatever its tiles, regenerates
     the forward's. An NVIDIA tensor-core accumulator (wgmma, mma.sync) gives one thread rows i and
-    i + 8 and key pairs 8 apart, whichever operand holds the rows: the Hopper forward draws a
-    counter's eight bits in the thread that holds them, the Hopper backward (keys as rows) four.
+    i + 8 and key pairs 8 apart: the Hopper forward draws a counter's sixteen bytes in the thread
+    that holds their scores, and a key pair's two bytes sit in one 16-bit half of a word.
 
-    A draw >= ``threshold`` = round(p · 2^16) keeps its score: the keep probability is
-    ``1 - threshold / 2^16`` (the launcher scales kept scores by its inverse). BLOCK_M and BLOCK_N
-    are multiples of 16, and ``first_key`` a multiple of 16.
+    A draw >= ``threshold`` (:func:`fmha.backends.triton.launch.dropout_threshold`, from 1 to 256)
+    keeps its score: the keep probability is ``1 - threshold / 256`` (the launcher scales kept
+    scores by its inverse). BLOCK_M and BLOCK_N are multiples of 16, and ``first_key`` a multiple
+    of BLOCK_N; tiles of 16 keys draw their 32-key block and take their half.
     """
     tl.static_assert(BLOCK_M % 16 == 0 and BLOCK_N % 16 == 0, "tiles of whole 16 x 16 blocks")
-    # rows i with i % 16 < 8: the first row of each pair
-    leaders, _ = tl.split(rows.reshape(BLOCK_M // 16, 2, 8).permute(0, 2, 1))  # [M / 16, 8]
-    groups = (first_key // 16 * 4 + tl.arange(0, BLOCK_N // 4)).to(tl.int64)  # [N / 4]
-    counters = ((rng_row + leaders.to(tl.int64)) << 32)[:, :, None] | groups[None, None, :]
-    word0, word1, word2, word3 = tl.randint4x(seed, counters)
-    words = tl.join(tl.join(word0, word1), tl.join(word2, word3)).to(tl.uint32, bitcast=True)
-    draws = tl.join(words & 0xFFFF, words >> 16)  # [M/16, i % 8, group, word % 2, word // 2, half]
-    # to row 16 · (i // 16) + 8 · (word // 2) + i % 8, key 16 · (group // 4) + 8 · (word % 2) + 2 · (group % 4) + half
-    draws = draws.reshape(BLOCK_M // 16, 8, BLOCK_N // 16, 4, 2, 2, 2).permute(0, 5, 1, 2, 4, 3, 6)
-    return draws.reshape(BLOCK_M, BLOCK_N) >= threshold.to(tl.uint32)
+    if BLOCK_N >= 32:
+        draws = _draws(seed, rng_row, rows, first_key, BLOCK_M, BLOCK_N)
+    else:
+        low, high = tl.split(_draws(seed, rng_row, rows, first_key // 32 * 32, BLOCK_M, 32)
+                             .reshape(BLOCK_M, 2, 16).permute(0, 2, 1))
+        draws = tl.where((first_key // 16) % 2 == 1, high, low)
+    return draws >= threshold.to(tl.uint32)
 
 
 @triton.jit
