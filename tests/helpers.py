@@ -1,11 +1,32 @@
 """The shared test helpers live in :mod:`fmha.testing` (the tools and the autotuner use them too)."""
 
+import inspect
+
 from fmha.testing import (  # noqa: F401
     assert_close_to_reference,
     assert_grads_close,
     random_qkv,
     torch_math_attention,
 )
+
+
+def spills_in_product_loops(sass: str) -> int:
+    """Local-memory loads and stores inside the innermost loops that issue warpgroup MMAs (a
+    kernel's key blocks or query steps), found from the backward branches of a SASS listing. The
+    Gluon build scripts run it in their child process (:data:`SASS_LOOP_SPILLS`)."""
+    import re
+
+    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = []
+    for address, text in lines:
+        branch = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            body = [t for a, t in lines if int(branch.group(1), 16) <= a <= address]
+            if any("HGMMA" in t for t in body):
+                loops.append((int(branch.group(1), 16), address, body))
+    innermost = [body for start, end, body in loops
+                 if not any(start <= s and e <= end and (s, e) != (start, end) for s, e, _ in loops)]
+    return sum(t.startswith(("STL", "LDL")) for body in innermost for t in body)
 
 
 def build_report(script: str, variants) -> dict:
@@ -23,3 +44,7 @@ def build_report(script: str, variants) -> dict:
     errors = "\n".join(line for line in result.stderr.splitlines() if "nanobind" not in line and "leaked" not in line)
     assert result.returncode == 0, errors[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# :func:`spills_in_product_loops` as source, for the build scripts' child processes.
+SASS_LOOP_SPILLS = inspect.getsource(spills_in_product_loops)

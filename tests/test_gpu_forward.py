@@ -88,6 +88,7 @@ HOPPER_SCHEDULES = {  # HopperSchedule fields; names without spaces (test ids pa
     "emulated_exp2_1_in_8": {"emulated_exp2": 8},
     "emulated_exp2_1_in_2": {"emulated_exp2": 2},
     "three_consumers": {"consumers": 3, "block_n": 64, "stages": 3},
+    "three_consumers_128_keys": {"consumers": 3, "q_buffers": 2, "emulated_exp2": 8},
     "persistent_two_q_buffers": {"persistent": True, "q_buffers": 2},
     "persistent_two_q_buffers_exp2_1_in_8": {"persistent": True, "q_buffers": 2, "emulated_exp2": 8},
     "one_consumer_two_ctas_per_sm": {"consumers": 1, "q_buffers": 2, "ctas_per_sm": 2, "emulated_exp2": 8},
@@ -105,7 +106,7 @@ HOPPER_SCHEDULES = {  # HopperSchedule fields; names without spaces (test ids pa
 }
 # Too few registers per thread for a D=128 accumulator: ptxas refuses these.
 D64_ONLY_SCHEDULES = {"one_consumer_three_ctas_per_sm_64_keys", "one_consumer_three_ctas_per_sm_64_keys_exp2_1_in_8",
-                      "dynamic_one_consumer_three_ctas_per_sm_64_keys"}
+                      "dynamic_one_consumer_three_ctas_per_sm_64_keys", "three_consumers_128_keys"}
 
 
 @pytest.mark.parametrize("schedule", HOPPER_SCHEDULES)

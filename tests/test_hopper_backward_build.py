@@ -13,11 +13,11 @@ from fmha.backends.gluon_sm90 import backend as hopper_backend
 from fmha.backends.gluon_sm90 import backward, backward_launch, launch
 from fmha.params import attention_params
 
-from .helpers import build_report
+from .helpers import SASS_LOOP_SPILLS, build_report
 
 pytest.importorskip("triton.experimental.gluon")
 
-_BUILD_SCRIPT = r"""
+_BUILD_SCRIPT = SASS_LOOP_SPILLS + r"""
 import dataclasses, json, re, subprocess, sys, tempfile
 import torch
 import triton
@@ -27,21 +27,6 @@ from fmha.backends.gluon_sm90 import backward_launch, launch
 
 report = {"triton": triton.__version__}
 
-
-def spills_in_product_loops(sass):
-    # Local-memory loads and stores inside the innermost loops that issue warpgroup MMAs (the
-    # query steps), found from the backward branches of the SASS listing.
-    lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    loops = []
-    for address, text in lines:
-        branch = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
-            body = [t for a, t in lines if int(branch.group(1), 16) <= a <= address]
-            if any("HGMMA" in t for t in body):
-                loops.append((int(branch.group(1), 16), address, body))
-    innermost = [body for start, end, body in loops
-                 if not any(start <= s and e <= end and (s, e) != (start, end) for s, e, _ in loops)]
-    return sum(t.startswith(("STL", "LDL")) for body in innermost for t in body)
 
 
 for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):

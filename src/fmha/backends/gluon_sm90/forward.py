@@ -548,6 +548,13 @@ def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_sc
     return probs, row_max, row_sum
 
 
+@gluon.constexpr_function
+def packs_probs(consumers, dropout):
+    """Whether a block's probabilities cross the key loop packed in P·V's operand type (half the
+    registers of float32): with three consumers (160 registers a thread), without dropout."""
+    return consumers == 3 and not dropout
+
+
 @gluon.jit
 def _p_operand(probs, draws, dropout, dtype: gl.constexpr, layout: gl.constexpr, DROPOUT: gl.constexpr):
     """P·V's operand from a block's probabilities: rounded to ``dtype``, with dropout's zeros (the
@@ -555,9 +562,34 @@ def _p_operand(probs, draws, dropout, dtype: gl.constexpr, layout: gl.constexpr,
     where P·V takes it, so the words go straight to the operand's registers."""
     if DROPOUT:
         p = dropped(probs, draws, dropout[2], dtype)
+    elif probs.dtype == gl.uint32:  # packed where the softmax ended (:func:`_packed_probs`)
+        p = _unpacked_probs(probs, dtype)
     else:
         p = probs.to(dtype)
     return gl.convert_layout(p, layout)
+
+
+@gluon.constexpr_function
+def _pack_asm(dtype):
+    return ("cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32") + " $0, $2, $1;"
+
+
+@gluon.jit
+def _packed_probs(probs, dtype: gl.constexpr):
+    """uint32 [ROWS, BLOCK_N // 2]: each key pair's probabilities rounded to ``dtype``, one word (the
+    P·V operand's registers), so that a block's P lives across the loop in half the registers."""
+    ROWS: gl.constexpr = probs.shape[0]
+    BLOCK_N: gl.constexpr = probs.shape[1]
+    even, odd = gl.split(probs.reshape([ROWS, BLOCK_N // 2, 2]))
+    return gl.inline_asm_elementwise(_pack_asm(dtype), "=r,r,r", [even, odd], dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _unpacked_probs(words, dtype: gl.constexpr):
+    """The inverse of :func:`_packed_probs`: [ROWS, 2 · columns] in ``dtype``."""
+    low, high = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [words], dtype=(gl.int16, gl.int16),
+                                          is_pure=True, pack=1)
+    return gl.join(low, high).reshape([words.shape[0], 2 * words.shape[1]]).to(dtype, bitcast=True)
 
 
 @gluon.jit
@@ -576,6 +608,7 @@ def _pipelined_blocks(
     p_layout: gl.constexpr = operand_layout(HEAD_DIM)
     o_rows: gl.constexpr = gl.SliceLayout(1, accumulator_layout(HEAD_DIM))
     no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=accumulator_layout(BLOCK_N))
+    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, DROPOUT)
     for block in range(block_start, block_end):
         position = ring_base + block
         slot = position % STAGES
@@ -604,6 +637,8 @@ def _pipelined_blocks(
         acc = warpgroup_mma_wait(0, deps=(acc,))
         slot_barriers.signal(_v_slot_barrier(prev_slot, STAGES), _slot_threads(CONSUMERS))
         acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
+        if PACKED_P:
+            probs = _packed_probs(probs, v_smem.dtype)
     return acc, probs, draws, row_max, row_sum
 
 
@@ -664,6 +699,7 @@ def _consumer_tile(
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, DROPOUT)
     valid, batch, head, kv_head, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks, sequence = _tile(
         step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
         CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC)
@@ -709,6 +745,8 @@ def _consumer_tile(
             draws = 0
             if DROPOUT:
                 draws = dropout_draws(start * BLOCK_N, mods[3], BLOCK_N)
+            if PACKED_P:
+                probs = _packed_probs(probs, dtype)
             # Blocks wholly visible to every row run without masks; the window's edges and the end
             # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
             unmasked_start = gl.maximum(full_start, start + 1)
