@@ -51,7 +51,8 @@ for variant in json.loads(sys.argv[1]):
     head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm, *extra = variant
     schedule = HopperSchedule(block_n=block_n, stages=stages, consumers=consumers, emulated_exp2=emulated_exp2,
                               q_buffers=q_buffers, ctas_per_sm=ctas_per_sm, dynamic="dynamic" in extra,
-                              pingpong=PINGPONG_ON if "pingpong" in extra else PINGPONG_LONG_SOFTMAX)
+                              pingpong=PINGPONG_ON if "pingpong" in extra else PINGPONG_LONG_SOFTMAX,
+                              pack_p="pack_p" in extra)
     # The very source, signature and options the launcher compiles on a GPU.
     alibi = 2 if "alibi_causal" in extra else int("alibi" in extra)
     mask = next((name[len("mask_"):] for name in extra if name.startswith("mask_") and name != "mask_strided"), "")
@@ -97,6 +98,7 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (64, False, 1, 128, 2, 8, 2, 2), (64, True, 1, 64, 2, 0, 2, 3),
             (64, False, 3, 64, 3, 0, 1, 1), (64, False, 2, 128, 2, 0, 2, 1),
             (64, False, 3, 128, 2, 8, 2, 1), (64, True, 3, 128, 2, 8, 2, 1),
+            (128, True, 2, 128, 2, 0, 2, 1, "pack_p"), (128, True, 2, 128, 2, 0, 2, 1, "wide", "dynamic", "pack_p"),
             (64, True, 2, 128, 2, 8, 2, 1, "left"), (128, True, 2, 128, 2, 0, 2, 1, "left"),
             (128, True, 2, 128, 2, 0, 2, 1, "varlen"), (64, True, 1, 64, 2, 0, 2, 3, "varlen"),
             (128, True, 2, 128, 2, 0, 2, 1, "left", "varlen"),
@@ -250,6 +252,17 @@ def test_three_consumers_of_128_keys_fit_their_registers(hopper_builds, causal):
     build = hopper_builds[f"64,{causal},3,128,2,8,2,1"]
     assert "error" not in build and build["maxnreg"] <= 168
     assert build["loop_spills"] <= 64
+
+
+@pytest.mark.parametrize("variant", [(128, True, 2, 128, 2, 0, 2, 1), (128, True, 2, 128, 2, 0, 2, 1, "wide", "dynamic")],
+                         ids=str)
+def test_packed_p_frees_registers(hopper_builds, variant):
+    """``HopperSchedule.pack_p`` at D = 128: a block's P crosses the key loop in 32 registers instead
+    of 64, and the two-consumer builds stop spilling (the causal build's 38 stores, the window's 82)."""
+    plain = hopper_builds[",".join(map(str, variant))]
+    packed = hopper_builds[",".join(map(str, (*variant, "pack_p")))]
+    assert plain["counts"]["STL"] > 0 == packed["counts"]["STL"]
+    assert packed["counts"]["HGMMA"] == plain["counts"]["HGMMA"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -549,10 +549,11 @@ def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_sc
 
 
 @gluon.constexpr_function
-def packs_probs(consumers, dropout):
+def packs_probs(consumers, dropout, pack_p):
     """Whether a block's probabilities cross the key loop packed in P·V's operand type (half the
-    registers of float32): with three consumers (160 registers a thread), without dropout."""
-    return consumers == 3 and not dropout
+    registers of float32; ``HopperSchedule.pack_p``): always with three consumers (160 registers a
+    thread), and never with dropout (it masks them where P·V takes them)."""
+    return (consumers == 3 or bool(pack_p)) and not dropout
 
 
 @gluon.jit
@@ -599,7 +600,7 @@ def _pipelined_blocks(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, TURN: gl.constexpr,
-    MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
+    MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr,
 ):
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
     sits at ring position ring_base + b. ``probs``: those of the block before; ``draws``: its
@@ -608,7 +609,7 @@ def _pipelined_blocks(
     p_layout: gl.constexpr = operand_layout(HEAD_DIM)
     o_rows: gl.constexpr = gl.SliceLayout(1, accumulator_layout(HEAD_DIM))
     no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=accumulator_layout(BLOCK_N))
-    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, DROPOUT)
+    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, DROPOUT, PACK_P)
     for block in range(block_start, block_end):
         position = ring_base + block
         slot = position % STAGES
@@ -676,7 +677,7 @@ def _consumer_tile(
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
+    DYNAMIC: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr,
 ):
     """One tile of a consumer: its 64 rows' output and LSE. ``step``: the program's step, or with
     DYNAMIC the tile itself; returns the ring position and tile count after it."""
@@ -699,7 +700,7 @@ def _consumer_tile(
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
-    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, DROPOUT)
+    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, DROPOUT, PACK_P)
     valid, batch, head, kv_head, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks, sequence = _tile(
         step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
         CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC)
@@ -756,18 +757,18 @@ def _consumer_tile(
                     acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                     rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
                     mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
-                    SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
+                    SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P)
             acc, probs, draws, row_max, row_sum = _pipelined_blocks(
                 acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
-                SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
+                SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P)
             RIGHT_END_LEFT: gl.constexpr = HAS_LEFT and not (HAS_LEFT == WIDE_LEFT and HAS_RIGHT)
             acc, probs, draws, row_max, row_sum = _pipelined_blocks(
                 acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, RIGHT_END_LEFT, HAS_RIGHT,
-                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS)
+                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P)
             last = ring_position + end - start - 1
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
@@ -827,7 +828,8 @@ def _consumer_partition(
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
+    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
+    MASK_KEYS: gl.constexpr,
 ):
     num_tiles, seqlen_k, score_args = shared[10], shared[15], shared[19]
     TURN: gl.constexpr = CONSUMER if PINGPONG else -1
@@ -845,7 +847,7 @@ def _consumer_partition(
             ring_position, tile_count = _consumer_tile(
                 tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
                 HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
-                MASK_KEYS)
+                MASK_KEYS, PACK_P)
             handed += 1
             tile = take_tile(tile_slots, handed)
     else:
@@ -853,7 +855,7 @@ def _consumer_partition(
             ring_position, tile_count = _consumer_tile(
                 step, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
                 HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
-                MASK_KEYS)
+                MASK_KEYS, PACK_P)
     if TURN == 0:  # take consumer 1's last turn: no named barrier is left half-arrived
         _take_turn(TURN)
     tma.store_wait(0)
@@ -869,7 +871,8 @@ def attention_forward_hopper_kernel(
     HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
+    DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
+    MASK_KEYS: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; with DYNAMIC they take them
     from the int32 counter at TileCounter (zero at launch) instead, one at a time, longest first; descriptors are (B, H, S, D)
@@ -925,25 +928,25 @@ def attention_forward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
              (_consumer_partition, (shared, tile_slots, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

@@ -174,7 +174,8 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "Q_BUFFERS": schedule.q_buffers, "CTAS_PER_SM": schedule.ctas_per_sm, "VARLEN": varlen,
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "SINKS": features.sinks,
                  "DROPOUT": features.dropout, "DYNAMIC": schedule.dynamic,
-                 "PINGPONG": takes_turns(schedule, features), "MASK": features.mask_constexpr,
+                 "PINGPONG": takes_turns(schedule, features), "PACK_P": schedule.pack_p,
+                 "MASK": features.mask_constexpr,
                  "MASK_KEYS": features.mask_keys}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),

@@ -29,7 +29,10 @@ class HopperSchedule:
     ``pingpong``: the two consumers take turns issuing their products, so that one's softmax runs
     under the other's (:data:`PINGPONG_OFF`, :data:`PINGPONG_ON` with two consumers and at most
     three stages, or :data:`PINGPONG_LONG_SOFTMAX`: on where the call's softcap, dropout or
-    two-sided ALiBi lengthens the softmax and the schedule allows it).
+    two-sided ALiBi lengthens the softmax and the schedule allows it); ``pack_p``: a block's
+    probabilities cross the key loop rounded to P·V's operand type, a word per key pair (half the
+    registers of float32), as three consumers always do (not with dropout, which masks them where
+    P·V takes them).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -43,6 +46,7 @@ class HopperSchedule:
     ctas_per_sm: int = 1
     dynamic: bool = False
     pingpong: int = PINGPONG_LONG_SOFTMAX
+    pack_p: bool = False
 
     def __post_init__(self):
         checks = {"block_n": self.block_n in (64, 128), "stages": 1 <= self.stages <= 4,
@@ -70,7 +74,7 @@ class HopperSchedule:
     @classmethod
     def from_ints(cls, values) -> "HopperSchedule":
         names = [field.name for field in dataclasses.fields(cls)]
-        return cls(**{name: (bool(value) if name in ("persistent", "dynamic") else int(value))
+        return cls(**{name: (bool(value) if name in ("persistent", "dynamic", "pack_p") else int(value))
                       for name, value in zip(names, values)})
 
     def to_record(self) -> dict:
