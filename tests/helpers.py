@@ -10,10 +10,11 @@ from fmha.testing import (  # noqa: F401
 )
 
 
-def spills_in_product_loops(sass: str) -> int:
+def spills_in_product_loops(sass: str, unmasked_only: bool = False) -> int:
     """Local-memory loads and stores inside the innermost loops that issue warpgroup MMAs (a
-    kernel's key blocks or query steps), found from the backward branches of a SASS listing. The
-    Gluon build scripts run it in their child process (:data:`SASS_LOOP_SPILLS`)."""
+    kernel's key blocks or query steps), found from the backward branches of a SASS listing; with
+    ``unmasked_only``, in those that select no scores (FSEL: a mask's). The Gluon build scripts run
+    it in their child process (:data:`SASS_LOOP_SPILLS`)."""
     import re
 
     lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
@@ -22,7 +23,7 @@ def spills_in_product_loops(sass: str) -> int:
         branch = re.search(r"BRA (0x[0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < address:
             body = [t for a, t in lines if int(branch.group(1), 16) <= a <= address]
-            if any("HGMMA" in t for t in body):
+            if any("HGMMA" in t for t in body) and not (unmasked_only and any(t.startswith("FSEL") for t in body)):
                 loops.append((int(branch.group(1), 16), address, body))
     innermost = [body for start, end, body in loops
                  if not any(start <= s and e <= end and (s, e) != (start, end) for s, e, _ in loops)]
