@@ -364,7 +364,7 @@ def _consumer_partition(
     rng = 0
     if DROPOUT:  # the Philox seed, the bound a kept draw passes, and the kept scores' factor
         RngState, threshold, dropout_scale = score_args[4], score_args[5], score_args[6]
-        rng = (RngState, threshold.to(gl.uint32) * 16777216 - 1, dropout_scale, num_kv_heads * group_size)
+        rng = (RngState, (threshold.to(gl.uint32) << 24) - 1, dropout_scale, num_kv_heads * group_size)
     if DYNAMIC:
         handed = 0
         ring_position = 0

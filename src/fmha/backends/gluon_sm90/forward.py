@@ -59,7 +59,8 @@ from . import slot_barriers
 from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 from .masking import key_blocks, sequence_span, visible
 from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, NO_MASK, alibi_form, draw_layout, dropout_draws, dropout_key,
-                     dropped, expand_mask, load_mask, mask_rows, masked_scores, pair_rows, tanh_approx)
+                     dropped, expand_mask, load_mask, mask_rows, masked_scores, pair_conversion, pair_rows,
+                     tanh_approx)
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -572,7 +573,7 @@ def _p_operand(probs, draws, dropout, dtype: gl.constexpr, layout: gl.constexpr,
 
 @gluon.constexpr_function
 def _pack_asm(dtype):
-    return ("cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32") + " $0, $2, $1;"
+    return pair_conversion(dtype) + " $0, $2, $1;"
 
 
 @gluon.jit

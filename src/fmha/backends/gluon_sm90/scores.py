@@ -298,12 +298,18 @@ def dropout_draws(key_start, dropout, BLOCK_N: gl.constexpr):
 
 
 @gluon.constexpr_function
+def pair_conversion(dtype):
+    """The PTX instruction that rounds two float32 values to one word of ``dtype`` (bf16 or fp16)
+    pairs: ``cvt d, a, b`` puts a in the high half."""
+    return "cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32"
+
+
+@gluon.constexpr_function
 def _dropped_pair_asm(dtype):
     # Both draws of a key pair against the threshold (0xFFFF in each half that keeps), the pair's
     # probabilities rounded to one word of two 16-bit values, and the mask applied to the word.
-    convert = "cvt.rn.bf16x2.f32" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32"
-    return ("{\n.reg .b32 keep, pair;\nset.ge.u32.f16x2 keep, $3, $5;\n" + convert + " pair, $2, $1;\n"
-            "and.b32 $0, pair, keep;\n}")
+    return ("{\n.reg .b32 keep, pair;\nset.ge.u32.f16x2 keep, $3, $5;\n" + pair_conversion(dtype)
+            + " pair, $2, $1;\nand.b32 $0, pair, keep;\n}")
 
 
 @gluon.jit
