@@ -25,5 +25,5 @@ wait
   echo "$(wc -l < "$work/ids") gpu tests${PART:+ (part $PART of $(wc -l < "$work/all"))} in $shards shards, $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  for log in "$work"/shard.*.log; do grep -E '^(FAILED|ERROR|E )|^/.*:[0-9]+: |passed|failed|error' "$log"; done
+  for log in "$work"/shard.*.log; do grep -E '^(FAILED|ERROR|E )|^/.*:[0-9]+: |passed|failed|error|skipped' "$log"; done
 } | tee "$out"

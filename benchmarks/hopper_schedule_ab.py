@@ -43,6 +43,8 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("seed003 D64", 16, 16, 2048, 64, False, {}),
          ("sinks D64", 4, 16, 4096, 64, True, {"sinks": True}),
          ("dropout 0.1 D64", 4, 32, 4096, 64, True, {"dropout_p": 0.1}),
+         ("dropout 0.1 D64 non-causal", 4, 32, 4096, 64, False, {"dropout_p": 0.1}),
+         ("ALiBi D64 S16k", 1, 32, 16384, 64, True, {"alibi": True}),
          ("window 1024 D64", 1, 32, 16384, 64, True, {"window": (1023, 0)})]
 
 
@@ -104,7 +106,7 @@ def main():
         torch.manual_seed(0)
         q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         features = feature_arguments(heads, kwargs)
-        params = attention_params("attention", q, k, v, causal=causal)
+        params = attention_params("attention", q, k, v, causal=causal, **features)  # the default path's schedule
         default, _ = lookup.hopper_schedule(params)
         default = default or fmha.HopperSchedule()
         schedules = {"default": default}

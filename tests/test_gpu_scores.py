@@ -82,6 +82,19 @@ def test_hopper_kernels_with_score_features_gpu(name, head_dim, seqlen_q, seqlen
     check_features(q, k, v, name, causal, config=fmha.HopperSchedule())
 
 
+# The shipped causal-ALiBi schedules (fmha/tuning/defaults/schedules.json): P crosses the key loop packed.
+PACKED_P_SCHEDULES = {64: dict(q_buffers=2, emulated_exp2=8, pack_p=True), 128: dict(q_buffers=2, pack_p=True)}
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(700, 900), (1500, 1500)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", ["alibi", "all"])
+def test_hopper_packed_p_schedules_with_causal_alibi_gpu(name, head_dim, seqlen_q, seqlen_k):
+    skip_off_hopper()
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((name, head_dim, seqlen_k, "packed")) % 2**31, grad=True)
+    check_features(q, k, v, name, True, config=fmha.HopperSchedule(**PACKED_P_SCHEDULES[head_dim]))
+
+
 @pytest.mark.parametrize("window", [(255, 0), (100, 100)], ids=lambda window: f"left{window[0]}-right{window[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_features_with_windows_and_packed_sequences_gpu(head_dim, window):
@@ -125,16 +138,17 @@ def skip_off_hopper():
         pytest.skip("the Gluon kernels are built for sm_90")
 
 
+@pytest.mark.parametrize("schedule", [{}, {"q_buffers": 2, "pingpong": 0}], ids=["default", "two_q_buffers_no_turns"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(700, 900), (1500, 500)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_hopper_forward_drops_the_portable_pattern_gpu(head_dim, seqlen_q, seqlen_k, causal):
+def test_hopper_forward_drops_the_portable_pattern_gpu(head_dim, seqlen_q, seqlen_k, causal, schedule):
     """The Gluon kernels (sm_90) keep the portable kernels' pattern: float64 with that pattern, the
     Gluon backward's gradients after it, and the portable forward's output for the same generator
     state. (1500, 500) causal: rows that see no key, and rows whose only keys may all be dropped."""
     skip_off_hopper()
     q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash(("dropout", head_dim, seqlen_q, causal)) % 2**31, grad=True)
-    hopper = fmha.HopperSchedule()
+    hopper = fmha.HopperSchedule(**schedule)
     explanation = fmha.explain(q, k, v, causal=causal, dropout_p=0.3, config=hopper)
     assert explanation.backend == "gluon_sm90" and explanation.backward.startswith("gluon_sm90"), str(explanation)
     generator = torch.Generator(device="cuda")

@@ -333,7 +333,9 @@ def test_shipped_rules_follow_the_measurements():
     assert plan(1024, 128, causal=True) == HopperSchedule(persistent=True, q_buffers=2)
     assert plan(16384, 128, causal=True) == HopperSchedule(persistent=False)
     assert plan(1024, 64, causal=False) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
-    assert plan(16384, 64, causal=False) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
+    three_consumers = HopperSchedule(persistent=True, consumers=3, q_buffers=2, emulated_exp2=8)
+    assert plan(2048, 64, causal=False) == three_consumers
+    assert plan(16384, 64, causal=False) == three_consumers
     short_causal = HopperSchedule(persistent=True, consumers=1, block_n=64, q_buffers=2, ctas_per_sm=3)
     assert plan(1024, 64, causal=True) == short_causal
     assert plan(512, 64, causal=True) is None  # not measured against the portable kernel
@@ -350,9 +352,23 @@ def test_shipped_rules_follow_the_measurements():
     assert plan(512, 64, causal=False, batch=1) is None  # the portable kernel's small tiles
     # sliding windows and packed sequences take tiles one at a time
     q = torch.empty(1, dtype=torch.bfloat16).expand(1, 16, 16384, 128)
-    dynamic = HopperSchedule(persistent=True, q_buffers=2, dynamic=True)
+    dynamic = HopperSchedule(persistent=True, q_buffers=2, dynamic=True, pack_p=True)
     for left in (1023, 4095):
         assert schedules.shipped_schedule(attention_params("test", q, q, q, window=(left, 0)), "sm_90", 132)[0] == dynamic
+    # score features: causal ALiBi packs P; dropout at D = 64 emulates no exponential; three
+    # consumers only for plain calls
+    for head_dim, causal, features, expected in [
+            (128, True, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2, pack_p=True)),
+            (128, False, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2)),
+            (64, True, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
+            (64, True, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2)),
+            (64, False, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2)),
+            (64, False, dict(softcap=30.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)),
+            (64, False, dict(has_sinks=True), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8))]:
+        q = torch.empty(1, dtype=torch.bfloat16).expand(4, 16, 4096, head_dim)
+        params = attention_params("test", q, q, q, causal=causal)
+        params = dataclasses.replace(params, options=dataclasses.replace(params.options, **features))
+        assert schedules.shipped_schedule(params, "sm_90", 132)[0] == expected, (head_dim, causal, features)
     schedule, rule = schedules.shipped_schedule(params_of(8, 1024, 64, False), "sm_80", 108)
     assert schedule is None and "sm_80" in rule
     # SDPA's attn_mask: bool masks at D = 128 take 64-key blocks, float ones the portable kernel
@@ -490,6 +506,11 @@ def test_build_errors_name_the_compilers_message():
     except ValueError as error:
         assert build_error_summary(error) == ("RuntimeError: async_copy_shared_to_global has been removed; "
                                               "call async_store instead")
+    # a schedule whose consumers get too few registers (three consumers, three CTAs per multiprocessor)
+    ptxas = RuntimeError("Internal Triton PTX codegen error\n`ptxas` stderr:\nptxas fatal   : (C7602) Insufficient "
+                         "registers (40) to compile instruction at line 1425\nptxas fatal   : Ptx assembly aborted")
+    assert build_error_summary(ptxas) == ("RuntimeError: Internal Triton PTX codegen error (ptxas fatal   : (C7602) "
+                                          "Insufficient registers (40) to compile instruction at line 1425)")
 
 
 def test_compat_resolves_this_triton():

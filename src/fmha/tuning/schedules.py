@@ -9,7 +9,9 @@ that matches gives the schedule, or ``null`` for the portable kernel. Conditions
 * ``flops_below``: 4·B·Hq·Sq·Sk·D is under (the 128-row tiles would idle);
 * ``tiles_per_sm_below``: 128-row tiles per multiprocessor are under (the grid would not fill the GPU);
 * ``window``: the window has a left bound (sliding windows), or not;
-* ``attn_mask``: SDPA's attn_mask is ``"bool"``, ``"float"`` (any float dtype) or ``""`` (none).
+* ``attn_mask``: SDPA's attn_mask is ``"bool"``, ``"float"`` (any float dtype) or ``""`` (none);
+* ``alibi``, ``dropout``: the call has ALiBi slopes / a dropout probability, or not;
+* ``score_features``: the call has any of softcap, ALiBi, sinks, an attn_mask or dropout, or none.
 
 An entry that ``fmha tune`` stored in the cache for the call's key comes before these rules.
 """
@@ -53,6 +55,9 @@ def _matches(when: dict, params: AttentionParams, multiprocessors: int) -> bool:
         "tiles_per_sm_below": lambda value: tiles < value * multiprocessors,
         "window": lambda value: (params.options.window_left is not None) == value,
         "attn_mask": lambda value: _mask_class(params.options.attn_mask_kind) == value,
+        "alibi": lambda value: params.options.has_alibi == value,
+        "dropout": lambda value: (params.options.dropout_p > 0.0) == value,
+        "score_features": lambda value: params.options.score_features == value,
     }
     return all(tests[name](value) for name, value in when.items())
 
@@ -72,4 +77,4 @@ def _mask_class(kind: str) -> str:
 
 def rule_conditions() -> tuple[str, ...]:
     return ("head_dim", "causal", "varlen", "seqlen_q_from", "seqlen_q_below", "flops_below", "tiles_per_sm_below",
-            "window", "attn_mask")
+            "window", "attn_mask", "alibi", "dropout", "score_features")

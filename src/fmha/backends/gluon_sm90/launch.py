@@ -242,11 +242,13 @@ def build_gluon(device: torch.device, make_source, options: dict, what: str):
 
 
 def build_error_summary(error: BaseException) -> str:
-    """The compiler's own message: the innermost cause's first line (Triton wraps it in context)."""
+    """The compiler's own message: the innermost cause's first line (Triton wraps it in context),
+    and ptxas's first fatal line (which says, say, that a schedule leaves too few registers)."""
     while error.__cause__ is not None:
         error = error.__cause__
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    fatal = next((line for line in lines[1:] if line.startswith("ptxas fatal")), "")
+    return f"{type(error).__name__}: {lines[0] if lines else ''}" + (f" ({fatal})" if fatal else "")
 
 
 class HopperForward:
