@@ -16,7 +16,7 @@ import fmha.testing
 from fmha import HopperSchedule
 from fmha.backends.gluon_sm90 import backend as hopper_backend
 from fmha.backends.gluon_sm90 import launch
-from fmha.backends.gluon_sm90.schedule import MAX_STAGES_WITH_TURNS, PINGPONG_OFF, PINGPONG_ON
+from fmha.backends.gluon_sm90.schedule import MAX_STAGES_WITH_TURNS, PINGPONG_OFF, PINGPONG_ON, register_budget
 from fmha.backends.gluon_sm90.scores import ALIBI_ANY, ALIBI_CAUSAL
 from fmha.params import attention_params
 from fmha.tuning import schedules
@@ -322,6 +322,30 @@ def test_dynamic_tiles_need_a_persistent_schedule():
     assert HopperSchedule.from_record(schedule.to_record()) == schedule
 
 
+# (variant as in VARIANTS, whether it builds): at the register floor of HopperSchedule.register_refusal.
+REGISTER_BOUNDARY = [((64, True, 2, 64, 2, 0, 1, 2), True),  # 104 registers a consumer, 64-key blocks
+                     ((64, True, 2, 64, 2, 0, 1, 3), False),  # 72
+                     ((64, True, 1, 128, 2, 0, 1, 3), False),  # 136, 128-key blocks
+                     ((128, True, 1, 64, 2, 0, 1, 3), False)]  # 136 at D = 128
+
+
+def test_register_refusal_matches_what_ptxas_builds():
+    """A schedule refused for too few registers fails in ptxas; one at the floor builds (the
+    three-consumer build of VARIANTS, 160 registers at 128-key blocks, is the other side)."""
+    report = build_report(_BUILD_SCRIPT, [variant for variant, _ in REGISTER_BOUNDARY])
+    for variant, builds in REGISTER_BOUNDARY:
+        head_dim, _, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm = variant
+        schedule = HopperSchedule(consumers=consumers, block_n=block_n, stages=stages, q_buffers=q_buffers,
+                                  ctas_per_sm=ctas_per_sm)
+        refusal = schedule.build_refusal(head_dim)
+        error = report[",".join(map(str, variant))].get("error", "")
+        assert (refusal is None) == builds and ("error" not in report[",".join(map(str, variant))]) == builds, \
+            (variant, refusal, error)
+        if not builds:
+            assert "Insufficient registers" in error and f"leaves {register_budget(consumers, ctas_per_sm)[1]}" in refusal
+    assert HopperSchedule(consumers=3, q_buffers=2, emulated_exp2=8).build_refusal(64) is None
+
+
 def test_shipped_rules_follow_the_measurements():
     """The shipped sm_90 rules (tuning data) reproduce the measured table of docs/perf.md."""
     def plan(seqlen, head_dim, causal, batch=8):
@@ -397,7 +421,9 @@ def test_mask_keys_layout_picks_the_build_from_the_strides():
 
 
 @pytest.mark.parametrize("reason, pattern", [("dtype", "float16 or bfloat16"), ("head_dim", "head dim 96"),
-                                             ("scale", "positive scale"), ("stride", "TMA")])
+                                             ("scale", "positive scale"), ("stride", "TMA"),
+                                             ("registers", "leaves 40 registers a consumer thread"),
+                                             ("shared", "bytes of shared memory")])
 def test_refusals_name_the_reason(monkeypatch, reason, pattern):
     monkeypatch.setattr(hopper_backend, "INTERPRETED", False)
     monkeypatch.setattr(hopper_backend, "compute_capability", lambda device: (9, 0))
@@ -420,6 +446,10 @@ def test_refusals_name_the_reason(monkeypatch, reason, pattern):
         found = refusal(tensor(shape=(1, 2, 128, 96)))
     elif reason == "scale":
         found = refusal(tensor(), scale=-0.125)
+    elif reason == "registers":  # an explicit schedule the compiler could not build
+        found = refusal(tensor(), config=HopperSchedule(consumers=3, ctas_per_sm=3))
+    elif reason == "shared":
+        found = refusal(tensor(shape=(1, 2, 128, 128)), config=HopperSchedule(consumers=3, q_buffers=2))
     else:
         found = refusal(tensor(shape=(1, 2, 128, 68))[..., :64])  # rows 136 bytes apart: not 16-byte aligned
     assert found is not None and pattern in found

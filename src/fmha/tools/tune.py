@@ -42,6 +42,8 @@ HOPPER_CANDIDATES = (
     HopperSchedule(persistent=False, emulated_exp2=8),
     HopperSchedule(persistent=True, consumers=1, q_buffers=2, ctas_per_sm=2, emulated_exp2=8),
     HopperSchedule(persistent=True, consumers=1, block_n=64, q_buffers=2, ctas_per_sm=3),
+    HopperSchedule(persistent=True, consumers=3, q_buffers=2, emulated_exp2=8),
+    HopperSchedule(persistent=True, q_buffers=2, dynamic=True, pack_p=True),
 )
 
 
@@ -52,8 +54,7 @@ def hopper_candidates(case, dtype, device) -> list[HopperSchedule]:
     params = attention_params("fmha tune", q, k, k, causal=case.causal)
     if HopperBackend().refusal(params, q, k, k) is not None:
         return []
-    # Three CTAs per multiprocessor leave too few registers for D = 128 (ptxas: "Insufficient registers").
-    return [schedule for schedule in HOPPER_CANDIDATES if schedule.ctas_per_sm < 3 or case.head_dim <= 64]
+    return [schedule for schedule in HOPPER_CANDIDATES if schedule.build_refusal(case.head_dim) is None]
 
 
 def _params(case, dtype, device):

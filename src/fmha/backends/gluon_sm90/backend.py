@@ -76,6 +76,10 @@ class HopperBackend:
         for name, tensor in zip("qkv", (q, k, v)):  # (B, H, S, D), or packed (total, H, D)
             if not _tma_strides_ok(tensor):
                 return f"{name}'s strides or base address cannot be described to TMA (16-byte multiples, unit last stride)"
+        if options.backend == self.name:
+            reason = HopperSchedule.from_ints(options.config).build_refusal(params.head_dim)
+            if reason is not None:
+                return reason
         return gluon_unavailable()
 
     def forward_config(self, params: AttentionParams) -> tuple[HopperSchedule | None, str]:

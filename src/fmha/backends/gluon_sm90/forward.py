@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from . import slot_barriers
+from .schedule import register_budget as schedule_registers
 from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 from .masking import key_blocks, sequence_span, visible
 from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, NO_MASK, alibi_form, draw_layout, dropout_draws, dropout_key,
@@ -108,20 +109,7 @@ def _pass_turn(TURN: gl.constexpr):
         slot_barriers.signal(TURN_BARRIER + 1 - TURN, TURN_THREADS)
 
 
-@gluon.constexpr_function
-def register_budget(consumers: int, ctas_per_sm: int) -> tuple[int, int, int]:
-    """(registers per thread at launch, per consumer thread, per load-warp thread) for CTAS_PER_SM
-    CTAs of ``consumers`` warpgroups and one load warp (padded to a warpgroup) on a multiprocessor;
-    callable from the host too.
-
-    The load warp gives its registers to the consumers (setmaxnreg); the launch count fixes how
-    many CTAs fit side by side."""
-    threads = 128 * (consumers + 1)
-    launch = 65536 // (ctas_per_sm * threads) // 8 * 8  # 64k registers per multiprocessor
-    # 24 is setmaxnreg's minimum; the two-consumer build keeps the 40 it was measured with.
-    loader = 40 if consumers == 2 and ctas_per_sm == 1 else 24
-    consumer = min(240, (launch * threads - 128 * loader) // (128 * consumers) // 8 * 8)
-    return launch, consumer, loader
+register_budget = gluon.constexpr_function(schedule_registers)  # callable in the kernel and on the host
 
 
 @gluon.constexpr_function

@@ -15,10 +15,10 @@ from ...params import AttentionParams
 from ...runtime import KernelBuildError, multiprocessors, run_compiled
 from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout_threshold, window_bounds
 from ..triton.forward import LOG2_E
-from .forward import WIDE_LEFT, attention_forward_hopper_kernel, register_budget
+from .forward import WIDE_LEFT, attention_forward_hopper_kernel
 from .scores import (ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF, BOOL_MASK, FLOAT_MASK, NO_MASK, PAIRED_MASK_KEYS,
                      STRIDED_MASK_KEYS, UNIT_MASK_KEYS)
-from .schedule import CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule
+from .schedule import CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule, register_budget
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,7 +192,7 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
 
 def hopper_compile_options(schedule: HopperSchedule) -> dict:
     """Compile options of the Gluon forward: the launch register count lets ``ctas_per_sm`` CTAs
-    share a multiprocessor (:func:`fmha.backends.gluon_sm90.forward.register_budget`)."""
+    share a multiprocessor (:func:`fmha.backends.gluon_sm90.schedule.register_budget`)."""
     return {"num_warps": 4, "maxnreg": register_budget(schedule.consumers, schedule.ctas_per_sm)[0], **COMPILE_OPTIONS}
 
 

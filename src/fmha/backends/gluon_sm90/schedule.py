@@ -12,6 +12,29 @@ CONSUMER_ROWS = 64  # query rows per consumer warpgroup
 PINGPONG_OFF, PINGPONG_ON, PINGPONG_LONG_SOFTMAX = 0, 1, 2
 # The turns' two named barriers sit above the K/V slots' (fmha.backends.gluon_sm90.forward.TURN_BARRIER).
 MAX_STAGES_WITH_TURNS = 3
+# The fewest registers a consumer thread builds with, by (head dim, block_n): sm_90a builds of every
+# consumers x ctas_per_sm pair with fewer fail in ptxas ("Insufficient registers"; triton 3.6,
+# tests/test_hopper_kernel.py checks the boundary). 64-key blocks at D = 64 need the least.
+MIN_CONSUMER_REGISTERS = {(64, 64): 104}
+DEFAULT_MIN_CONSUMER_REGISTERS = 160
+# Shared memory a CTA may ask for on sm_90 (227 KiB), and what the kernel's mbarriers take beyond
+# its tiles (under 400 bytes in every build).
+SHARED_MEMORY_PER_CTA = 227 * 1024
+BARRIER_BYTES = 512
+
+
+def register_budget(consumers: int, ctas_per_sm: int) -> tuple[int, int, int]:
+    """(registers per thread at launch, per consumer thread, per load-warp thread) for ``ctas_per_sm``
+    CTAs of ``consumers`` warpgroups and one load warp (padded to a warpgroup) on a multiprocessor.
+
+    The load warp gives its registers to the consumers (setmaxnreg); the launch count fixes how
+    many CTAs fit side by side."""
+    threads = 128 * (consumers + 1)
+    launch = 65536 // (ctas_per_sm * threads) // 8 * 8  # 64k registers per multiprocessor
+    # 24 is setmaxnreg's minimum; the two-consumer build keeps the 40 it was measured with.
+    loader = 40 if consumers == 2 and ctas_per_sm == 1 else 24
+    consumer = min(240, (launch * threads - 128 * loader) // (128 * consumers) // 8 * 8)
+    return launch, consumer, loader
 
 
 @dataclass(frozen=True)
@@ -63,6 +86,26 @@ class HopperSchedule:
     def turns_fit(self) -> bool:
         """Whether the consumers can take turns: two of them, and the turns' barriers free."""
         return self.consumers == 2 and self.stages <= MAX_STAGES_WITH_TURNS
+
+    def shared_bytes(self, head_dim: int) -> int:
+        """Shared memory of a CTA (16-bit elements): each consumer's Q buffers and output staging
+        tile, the K and V ring, and the barriers."""
+        rows = CONSUMER_ROWS * self.consumers * (self.q_buffers + 1) + 2 * self.stages * self.block_n
+        return 2 * head_dim * rows + BARRIER_BYTES
+
+    def build_refusal(self, head_dim: int) -> str | None:
+        """Why this schedule cannot be built for ``head_dim`` (None: it can): its consumers' share
+        of the registers is under what the kernel needs, or its tiles overflow shared memory."""
+        registers = register_budget(self.consumers, self.ctas_per_sm)[1]
+        needed = MIN_CONSUMER_REGISTERS.get((head_dim, self.block_n), DEFAULT_MIN_CONSUMER_REGISTERS)
+        if registers < needed:
+            return (f"{self.text()} leaves {registers} registers a consumer thread; head dim {head_dim} "
+                    f"with block_n={self.block_n} needs {needed} (fewer consumers or CTAs per multiprocessor)")
+        shared = self.shared_bytes(head_dim)
+        if shared > SHARED_MEMORY_PER_CTA:
+            return (f"{self.text()} needs {shared} bytes of shared memory a CTA at head dim {head_dim}; "
+                    f"sm_90 has {SHARED_MEMORY_PER_CTA} (fewer consumers, Q buffers, stages or keys per block)")
+        return None
 
     @property
     def block_m(self) -> int:
