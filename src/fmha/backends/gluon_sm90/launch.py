@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -247,7 +248,7 @@ def build_error_summary(error: BaseException) -> str:
     while error.__cause__ is not None:
         error = error.__cause__
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    fatal = next((line for line in lines[1:] if line.startswith("ptxas fatal")), "")
+    fatal = next((line for line in lines[1:] if re.match(r"ptxas\S*\s+fatal", line)), "")  # or ptxas-blackwell
     return f"{type(error).__name__}: {lines[0] if lines else ''}" + (f" ({fatal})" if fatal else "")
 
 
