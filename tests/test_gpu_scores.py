@@ -138,7 +138,8 @@ def skip_off_hopper():
         pytest.skip("the Gluon kernels are built for sm_90")
 
 
-@pytest.mark.parametrize("schedule", [{}, {"q_buffers": 2, "pingpong": 0}], ids=["default", "two_q_buffers_no_turns"])
+@pytest.mark.parametrize("schedule", [{}, {"q_buffers": 2}, {"q_buffers": 2, "pingpong": 0}],
+                         ids=["default", "two_q_buffers_shipped", "two_q_buffers_no_turns"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(700, 900), (1500, 500)])
 @pytest.mark.parametrize("head_dim", [64, 128])
