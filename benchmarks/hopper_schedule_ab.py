@@ -4,7 +4,9 @@ For each case the default path's schedule (``fmha.tuning.lookup.hopper_schedule`
 copies of it with fields replaced (``--variant lazy_rescale=1``, ``--variant emulated_exp2=2,lazy_rescale=1``).
 Every variant's output is checked against the default's first (bitwise equality is not expected: a
 variant may round differently), then all are timed round-robin, ``--rounds`` times; the kernel's
-own time comes from the profiler, which moves less between runs than the wall clock.
+own time comes from the profiler, which moves less between runs than the wall clock. TFLOP/s count
+the pairs each row sees. The packed cases (the `features` suite's nine sequences) go through
+``fmha.varlen_attention``, which takes no config: the schedule lookup is replaced for their calls.
 
     PYTHONPATH=src python benchmarks/hopper_schedule_ab.py out.json --variant lazy_rescale=1
 """
@@ -18,7 +20,9 @@ import torch
 import triton
 
 import fmha
-from fmha.params import attention_params
+from fmha import dispatch
+from fmha.params import attention_params, varlen_params
+from fmha.tools.bench.cases import NINE_SEQUENCES
 from fmha.tuning import lookup
 
 # (name, B, H, S, D, causal, keyword arguments): bf16.
@@ -45,7 +49,12 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("dropout 0.1 D64", 4, 32, 4096, 64, True, {"dropout_p": 0.1}),
          ("dropout 0.1 D64 non-causal", 4, 32, 4096, 64, False, {"dropout_p": 0.1}),
          ("ALiBi D64 S16k", 1, 32, 16384, 64, True, {"alibi": True}),
-         ("window 1024 D64", 1, 32, 16384, 64, True, {"window": (1023, 0)})]
+         ("window 1024 D64", 1, 32, 16384, 64, True, {"window": (1023, 0)}),
+         ("plain D128 causal S1k", 16, 16, 1024, 128, True, {}),
+         ("softcap 30 S1k", 16, 16, 1024, 128, True, {"softcap": 30.0}),
+         # packed sequences (batch None): the nine of the `features` suite, causal
+         ("varlen 9", None, 16, None, 128, True, {}),
+         ("varlen 9 D64", None, 32, None, 64, True, {})]
 
 
 def feature_arguments(heads, kwargs):
@@ -55,6 +64,16 @@ def feature_arguments(heads, kwargs):
     if out.pop("sinks", False):
         out["sinks"] = torch.randn(heads, device="cuda")
     return out
+
+
+def visible_pairs(seqlen, causal, window=None) -> int:
+    """Query-key pairs a square (seqlen, seqlen) call computes: all, causal, or a causal window (left, 0)."""
+    if window is not None:
+        width = window[0] + 1  # keys a row sees once it is past the window's width
+        if seqlen <= width:
+            return seqlen * (seqlen + 1) // 2
+        return width * (width + 1) // 2 + (seqlen - width) * width
+    return seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
 
 
 def kernel_times(fn, repeats=20) -> dict:
@@ -102,12 +121,22 @@ def main():
     args = parser.parse_args()
     chosen = [case for case in CASES if not args.cases or case[0] in args.cases.split(",")]
     rows = []
+    shipped_lookup = lookup.hopper_schedule
     for name, batch, heads, seqlen, head_dim, causal, kwargs in chosen:
         torch.manual_seed(0)
-        q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         features = feature_arguments(heads, kwargs)
-        params = attention_params("attention", q, k, v, causal=causal, **features)  # the default path's schedule
-        default, _ = lookup.hopper_schedule(params)
+        if batch is None:  # packed: varlen_attention takes no config, so the lookup is replaced per call
+            total = sum(NINE_SEQUENCES)
+            q, k, v = (torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            cu_seqlens = torch.tensor([0, *torch.tensor(NINE_SEQUENCES).cumsum(0).tolist()], dtype=torch.int32,
+                                      device="cuda")
+            params = varlen_params("varlen_attention", q, k, v, cu_seqlens, cu_seqlens, max(NINE_SEQUENCES),
+                                   max(NINE_SEQUENCES), causal=causal, **features)
+        else:
+            q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            params = attention_params("attention", q, k, v, causal=causal, **features)  # the default path's schedule
+        default, _ = shipped_lookup(params)
         default = default or fmha.HopperSchedule()
         schedules = {"default": default}
         for fields in args.variant:
@@ -116,14 +145,22 @@ def main():
                 schedules[",".join(f"{key}={v}" for key, v in fields.items())] = dataclasses.replace(default, **value)
             except ValueError as error:  # a field this case's schedule cannot take
                 print(json.dumps({"case": name, "skipped": str(error)}), flush=True)
-        pairs = seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
-        flops = 4 * head_dim * batch * heads * pairs
+        lengths = NINE_SEQUENCES if seqlen is None else [seqlen] * batch
+        flops = 4 * head_dim * heads * sum(visible_pairs(n, causal, kwargs.get("window")) for n in lengths)
         calls = {}
         reference = None
         for label, schedule in schedules.items():
             def call(schedule=schedule):
                 generator = torch.Generator(device="cuda").manual_seed(1) if "dropout_p" in features else None
                 extra = {"generator": generator} if generator is not None else {}
+                if seqlen is None:
+                    lookup.hopper_schedule = lambda params: (schedule, "variant")
+                    dispatch.forget()
+                    try:
+                        return fmha.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max(lengths), max(lengths),
+                                                     causal=causal, **features, **extra)
+                    finally:
+                        lookup.hopper_schedule = shipped_lookup
                 return fmha.attention(q, k, v, causal=causal, config=schedule, **features, **extra)
 
             out = call()
