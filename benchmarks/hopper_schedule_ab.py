@@ -21,8 +21,10 @@ import triton
 
 import fmha
 from fmha import dispatch
+from fmha.masking import Window
 from fmha.params import attention_params, varlen_params
 from fmha.tools.bench.cases import NINE_SEQUENCES
+from fmha.tools.bench.metrics import visible_pairs
 from fmha.tuning import lookup
 
 # (name, B, H, S, D, causal, keyword arguments): bf16.
@@ -64,16 +66,6 @@ def feature_arguments(heads, kwargs):
     if out.pop("sinks", False):
         out["sinks"] = torch.randn(heads, device="cuda")
     return out
-
-
-def visible_pairs(seqlen, causal, window=None) -> int:
-    """Query-key pairs a square (seqlen, seqlen) call computes: all, causal, or a causal window (left, 0)."""
-    if window is not None:
-        width = window[0] + 1  # keys a row sees once it is past the window's width
-        if seqlen <= width:
-            return seqlen * (seqlen + 1) // 2
-        return width * (width + 1) // 2 + (seqlen - width) * width
-    return seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
 
 
 def kernel_times(fn, repeats=20) -> dict:
@@ -146,7 +138,9 @@ def main():
             except ValueError as error:  # a field this case's schedule cannot take
                 print(json.dumps({"case": name, "skipped": str(error)}), flush=True)
         lengths = NINE_SEQUENCES if seqlen is None else [seqlen] * batch
-        flops = 4 * head_dim * heads * sum(visible_pairs(n, causal, kwargs.get("window")) for n in lengths)
+        left = kwargs["window"][0] if "window" in kwargs else None
+        windows = [Window.of(n, n, left=left, right=0) if causal else None for n in lengths]
+        flops = 4 * head_dim * heads * sum(visible_pairs(n, n, window) for n, window in zip(lengths, windows))
         calls = {}
         reference = None
         for label, schedule in schedules.items():
