@@ -142,18 +142,33 @@ def test_torch_compile_fullgraph_forward_and_backward():
         torch.testing.assert_close(got, expected)
 
 
+def expected_tile_list(lengths, block, from_end):
+    """Deepest first; within a depth, sequences in order."""
+    blocks = [-(-length // block) for length in lengths]
+    tiles = []
+    for depth in reversed(range(max(blocks, default=0))):
+        tiles += [(seq, count - 1 - depth if from_end else depth) for seq, count in enumerate(blocks) if count > depth]
+    return tiles
+
+
 @pytest.mark.parametrize("from_end", [False, True], ids=["from-start", "from-end"])
-def test_tile_list_holds_every_tile_once_deepest_first(from_end):
-    lengths, block = [50, 0, 16, 17, 1, 33], 16
+@pytest.mark.parametrize("lengths, block", [
+    ([50, 0, 16, 17, 1, 33], 16),
+    ([300, 7, 0, 129], 8),  # more depths than one pass lists
+    (torch.randint(0, 40, (1030,), generator=torch.Generator().manual_seed(3)).tolist(), 16),  # past 1,024 sequences
+], ids=["six", "deep", "many"])
+def test_tile_list_holds_every_tile_once_deepest_first(lengths, block, from_end, monkeypatch):
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(-7))  # unwritten entries show
     cu = cu_seqlens(lengths)
     tile_list = TileList(len(lengths), sum(lengths), block, from_end)
-    tiles = tile_list(cu).tolist()
-    blocks = [-(-length // block) for length in lengths]
-    real = [(seq, index) for seq, index in tiles if seq >= 0]
-    assert sorted(real) == sorted((seq, index) for seq, count in enumerate(blocks) for index in range(count))
-    assert all(seq == -1 for seq, _ in tiles[len(real):])
-    depths = [blocks[seq] - 1 - index if from_end else index for seq, index in real]
-    assert depths == sorted(depths, reverse=True)
+    flat = tile_list(cu)
+    assert flat.shape == (2 * tile_list.entries + 1,)
+    assert tile_list.counter(flat).tolist() == [0]  # the zeroed tile counter after the list
+    tiles = [tuple(pair) for pair in flat[:-1].view(-1, 2).tolist()]
+    expected = expected_tile_list(lengths, block, from_end)
+    assert tiles[:len(expected)] == expected
+    assert all(pair == (-1, 0) for pair in tiles[len(expected):])
 
 
 def test_lengths_past_the_tensor_are_clamped_not_read():

@@ -304,8 +304,12 @@ class HopperForward:
             sequences = (lse, lse, lse)
         alibi, sinks, score_strides = score_arguments(scores, lse)
         rng_state = lse if scores is None or scores.rng_state is None else scores.rng_state
-        # A counter per call: launches on other streams cannot share it.
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.schedule.dynamic else lse
+        if not self.schedule.dynamic:
+            counter = lse
+        elif self.varlen:  # zeroed with the list
+            counter = self.tile_list.counter(tiles)
+        else:  # a counter per call: launches on other streams cannot share it
+            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         compiled = self.compiled
         mask = None if scores is None else scores.attn_mask
         if mask is None:

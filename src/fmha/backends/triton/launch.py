@@ -192,7 +192,9 @@ class TileList:
     """The longest-first list of tiles of packed sequences (:mod:`fmha.backends.triton.varlen`).
 
     ``entries`` bounds the tiles of any lengths adding up to ``total``; calling it with the
-    cu_seqlens tensor returns the (entries, 2) int32 list, made on the device by one small kernel.
+    cu_seqlens tensor returns the list as 2 · entries int32 (sequence, block) followed by one
+    zeroed int32, a tile counter for the kernels that draw tiles (:meth:`counter`), all made on
+    the device by one small kernel.
     """
 
     __slots__ = ("entries", "integers", "constants", "compiled")
@@ -200,12 +202,14 @@ class TileList:
     def __init__(self, num_seqs: int, total: int, block: int, from_end: bool):
         self.entries = max(1, min(total // block + num_seqs, num_seqs * triton.cdiv(total, block)))
         self.integers = (num_seqs, total, self.entries)
-        self.constants = dict(BLOCK=block, FROM_END=from_end,
-                              BLOCK_SEQS=min(1024, max(16, triton.next_power_of_2(num_seqs))))
+        block_seqs = min(1024, max(16, triton.next_power_of_2(num_seqs)))
+        # a (depths, sequences) tile of 2,048 entries: 16 int32 a thread in each of the kernel's tensors
+        self.constants = dict(BLOCK=block, FROM_END=from_end, BLOCK_SEQS=block_seqs,
+                              BLOCK_DEPTHS=max(1, 2048 // block_seqs))
         self.compiled = None
 
     def __call__(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        tiles = torch.empty((self.entries, 2), dtype=torch.int32, device=cu_seqlens.device)
+        tiles = torch.empty(2 * self.entries + 1, dtype=torch.int32, device=cu_seqlens.device)
         args = (cu_seqlens, tiles, *self.integers)
         if self.compiled is not None:
             run_compiled(self.compiled, 1, cu_seqlens.device, (*args, *self.constants.values()))
@@ -216,6 +220,10 @@ class TileList:
             assert varlen_schedule_kernel.arg_names[-len(self.constants):] == list(self.constants)
             self.compiled = compiled
         return tiles
+
+    def counter(self, tiles: torch.Tensor) -> torch.Tensor:
+        """The zeroed int32 after the list."""
+        return tiles[2 * self.entries:]
 
 
 class PortableForward:

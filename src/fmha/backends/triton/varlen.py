@@ -78,35 +78,59 @@ def _blocks_per_sequence(cu_seqlens, seqs, num_seqs, total, BLOCK: tl.constexpr)
 
 
 @triton.jit
+def _list_depths(Tiles, seqs, blocks, depth, first_slot, num_tiles, FROM_END: tl.constexpr):
+    """Write the tiles of ``seqs`` at each of the depths ``depth`` (below 0: none) from that
+    depth's ``first_slot`` on, in sequence order."""
+    has_tile = (blocks[None, :] > depth[:, None]) & (depth[:, None] >= 0)
+    slots = first_slot[:, None] + tl.cumsum(has_tile.to(tl.int32), axis=1) - 1
+    if FROM_END:
+        block = blocks[None, :] - 1 - depth[:, None]
+    else:
+        block = tl.zeros_like(blocks)[None, :] + depth[:, None]
+    # Lengths that overlap could list more tiles than the grid holds: never write past it.
+    keep = has_tile & (slots < num_tiles)
+    tl.store(Tiles + 2 * slots, tl.zeros_like(block) + seqs[None, :], mask=keep)
+    tl.store(Tiles + 2 * slots + 1, block, mask=keep)
+
+
+@triton.jit
 def varlen_schedule_kernel(CuSeqlens, Tiles, num_seqs, total, num_tiles,
-                           BLOCK: tl.constexpr, FROM_END: tl.constexpr, BLOCK_SEQS: tl.constexpr):
-    """``Tiles[2r], Tiles[2r + 1]`` = sequence and block of the r-th tile; (-1, 0) past the last.
+                           BLOCK: tl.constexpr, FROM_END: tl.constexpr, BLOCK_SEQS: tl.constexpr,
+                           BLOCK_DEPTHS: tl.constexpr):
+    """``Tiles[2r], Tiles[2r + 1]`` = sequence and block of the r-th tile; (-1, 0) past the last;
+    ``Tiles[2 num_tiles]`` (a tile counter for the kernels that draw tiles) = 0.
 
     A tile's depth is its block index (or, ``FROM_END``, its distance from the sequence's last
-    block); tiles are written deepest first, sequences in order within one depth.
+    block); tiles are written deepest first, sequences in order within one depth. Up to
+    BLOCK_SEQS sequences, the lengths are loaded once and BLOCK_DEPTHS depths are listed at a time
+    (a tile's slot is the count of deeper tiles plus its rank within its depth); more sequences
+    are listed one depth at a time, BLOCK_SEQS sequences at a time.
     """
-    deepest = 0
-    for first in range(0, num_seqs, BLOCK_SEQS):
-        seqs = first + tl.arange(0, BLOCK_SEQS)
-        deepest = tl.maximum(deepest, tl.max(_blocks_per_sequence(CuSeqlens, seqs, num_seqs, total, BLOCK)))
     written = 0
-    for step in range(0, deepest):
-        depth = deepest - 1 - step
+    if num_seqs <= BLOCK_SEQS:
+        seqs = tl.arange(0, BLOCK_SEQS)
+        blocks = _blocks_per_sequence(CuSeqlens, seqs, num_seqs, total, BLOCK)
+        deepest = tl.max(blocks)
+        for first in range(0, deepest, BLOCK_DEPTHS):
+            depth = deepest - 1 - first - tl.arange(0, BLOCK_DEPTHS)
+            deeper = tl.sum(tl.maximum(blocks[None, :] - 1 - depth[:, None], 0), axis=1)  # tiles at depths > depth
+            _list_depths(Tiles, seqs, blocks, depth, deeper, num_tiles, FROM_END)
+        written = tl.sum(blocks)
+    else:
+        deepest = 0
         for first in range(0, num_seqs, BLOCK_SEQS):
             seqs = first + tl.arange(0, BLOCK_SEQS)
-            blocks = _blocks_per_sequence(CuSeqlens, seqs, num_seqs, total, BLOCK)
-            has_tile = blocks > depth
-            slots = written + tl.cumsum(has_tile.to(tl.int32), 0) - 1
-            if FROM_END:
-                block = blocks - 1 - depth
-            else:
-                block = tl.zeros_like(blocks) + depth
-            # Lengths that overlap could list more tiles than the grid holds: never write past it.
-            keep = has_tile & (slots < num_tiles)
-            tl.store(Tiles + 2 * slots, seqs, mask=keep)
-            tl.store(Tiles + 2 * slots + 1, block, mask=keep)
-            written += tl.sum(has_tile.to(tl.int32), 0)
+            deepest = tl.maximum(deepest, tl.max(_blocks_per_sequence(CuSeqlens, seqs, num_seqs, total, BLOCK)))
+        for step in range(0, deepest):
+            depth = tl.zeros([1], tl.int32) + deepest - 1 - step
+            for first in range(0, num_seqs, BLOCK_SEQS):
+                seqs = first + tl.arange(0, BLOCK_SEQS)
+                blocks = _blocks_per_sequence(CuSeqlens, seqs, num_seqs, total, BLOCK)
+                # the chunk's tiles at this depth follow the deeper ones and the earlier chunks'
+                _list_depths(Tiles, seqs, blocks, depth, tl.zeros([1], tl.int32) + written, num_tiles, FROM_END)
+                written += tl.sum((blocks > depth).to(tl.int32), 0)
     for first in range(written, num_tiles, BLOCK_SEQS):
         slots = first + tl.arange(0, BLOCK_SEQS)
         tl.store(Tiles + 2 * slots, tl.full([BLOCK_SEQS], -1, tl.int32), mask=slots < num_tiles)
         tl.store(Tiles + 2 * slots + 1, tl.zeros([BLOCK_SEQS], tl.int32), mask=slots < num_tiles)
+    tl.store(Tiles + 2 * num_tiles, 0)
