@@ -10,7 +10,9 @@ calls. This script runs both on the same prepared call, and in between:
 * a bf16 matmul of about the same length, timed the same ways, as the control: what it loses
   between regimes is the regime's, not the attention kernel's.
 
-    PYTHONPATH=src python benchmarks/timing_regimes.py out.json
+    PYTHONPATH=src python benchmarks/timing_regimes.py out.json [--training]
+
+``--training`` times forward+backward on four `std` shapes instead (every kernel of the step).
 """
 
 import json
@@ -81,8 +83,12 @@ def regimes(fn) -> dict:
 
 def main():
     out_path = sys.argv[1]
-    cases = [case for case in features() if not case.scores_modified]
-    cases += [Case(4, 32, 32, 4096, 4096, 64, causal=False), Case(4, 16, 16, 4096, 4096, 128, causal=True)]
+    if "--training" in sys.argv[2:]:
+        cases = [Case(4, heads, heads, 4096, 4096, head_dim, causal=causal, mode="fwdbwd")
+                 for heads, head_dim in ((32, 64), (16, 128)) for causal in (False, True)]
+    else:
+        cases = [case for case in features() if not case.scores_modified]
+        cases += [Case(4, 32, 32, 4096, 4096, 64, causal=False), Case(4, 16, 16, 4096, 4096, 128, causal=True)]
     rows = []
     for case in cases:
         q, k, v = make_inputs(case, torch.bfloat16)
