@@ -516,17 +516,14 @@ def _tile_dropout(first_row, rng_row, rng_key, threshold, ROWS: gl.constexpr, BL
 
 @gluon.jit
 def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, masked,
-                         left_side_only, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
+                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
                          SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr):
-    """The first block of a tile: nothing to rescale yet. ``left_side_only``: every key of the block
-    is at or before every row's right bound, so a window's mask leaves that bound out (K's end stays)."""
+    """The first block of a tile: nothing to rescale yet. A masked one checks both sides of a window:
+    a third build of this step for a window's left edge alone (one compare less per score) made the
+    kernel larger and no faster (docs/perf.md, session 17)."""
     row_max = gl.full([scores.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     row_sum = gl.zeros([scores.shape[0]], gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
-    if masked & left_side_only:  # set for windows only
-        probs, rescale, row_max, row_sum = _softmax_block(
-            scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, True,
-            HAS_LEFT, False, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
-    elif masked:
+    if masked:
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, True,
             HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
@@ -722,15 +719,9 @@ def _consumer_tile(
             mask_tile = _block_mask(mods, start * BLOCK_N, keys0, seq_k, score_args, True, MASK, MASK_KEYS)
             scores = warpgroup_mma_wait(0, deps=(scores,))
             slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
-            # A window's edge blocks need only one side of the mask unless the window is narrow: one
-            # compare per score instead of two. The first block may lie left of every row's right bound;
-            # with WIDE_LEFT the last ones lie right of every row's left bound.
-            left_side_only = False
-            if HAS_LEFT and HAS_RIGHT:
-                left_side_only = (start + 1) * BLOCK_N <= row0 + seq_hi + 1
             probs, row_max, row_sum = _softmax_first_block(
                 scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods, mask_tile,
-                (start < full_start) | (start >= full_end), left_side_only, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
+                (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
                 SOFTCAP, ALIBI, MASK, MASK_KEYS)
             draws = 0
             if DROPOUT:
@@ -752,6 +743,8 @@ def _consumer_tile(
                 rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
                 SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P)
+            # With WIDE_LEFT the blocks at the right end lie right of every row's left bound: one
+            # compare per score instead of two.
             RIGHT_END_LEFT: gl.constexpr = HAS_LEFT and not (HAS_LEFT == WIDE_LEFT and HAS_RIGHT)
             acc, probs, draws, row_max, row_sum = _pipelined_blocks(
                 acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
