@@ -52,6 +52,25 @@ def test_rotary_leftpad_and_batch_index_gpu(dtype, interleaved, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [None, 16], ids=lambda size: "contiguous" if size is None else f"page{size}")
+@pytest.mark.parametrize("num_splits", [0, 1], ids=["heuristic-splits", "one-split"])
+@pytest.mark.parametrize("features", ["softcap", "alibi", "sinks", "all"])
+def test_score_features_gpu(dtype, page_size, num_splits, features):
+    """Softcap 30 (the fast tanh at 16 bits), ALiBi per batch and head, sinks; decode and speculative rows."""
+    generator = torch.Generator().manual_seed(seed_of(dtype, page_size, num_splits, features))
+    case = random_kvcache(3, 2, 32, 8, 128, 3000, new_keys=2, dtype=dtype, device="cuda", page_size=page_size,
+                          seed=seed_of(dtype, page_size, features))
+    options = {}
+    if features in ("softcap", "all"):
+        options["softcap"] = 30.0
+    if features in ("alibi", "all"):
+        options["alibi_slopes"] = (torch.rand(3, 32, generator=generator) * 0.1).cuda()
+    if features in ("sinks", "all"):
+        options["sinks"] = torch.randn(32, generator=generator).cuda()
+    check(case, causal=True, num_splits=num_splits, **options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
 def test_head_dims_gpu(dtype, head_dim):
     case = random_kvcache(2, 2, 8, 2, head_dim, 2000, new_keys=2, dtype=dtype, device="cuda", page_size=16,

@@ -49,6 +49,45 @@ def test_a_long_append_read_back_in_the_same_call(page_size):
     check(case, causal=True, num_splits=3)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("features", [
+    dict(softcap=2.0),
+    dict(alibi_slopes="heads"),
+    dict(alibi_slopes="batch"),
+    dict(sinks=True),
+    dict(softcap=5.0, alibi_slopes="batch", sinks=True),
+], ids=["softcap", "alibi", "alibi-per-batch", "sinks", "all"])
+def test_score_features(features, num_splits):
+    """Softcap, ALiBi ((Hq,) or (B, Hq): a slope per row's head inside a GQA tile) and sinks (in the
+    denominator after the split keys' merge), with an append, a paged cache and a window; an empty
+    sequence keeps zeros and LSE -inf."""
+    batch, q_heads = 3, 4
+    generator = torch.Generator().manual_seed(len(features) + num_splits)
+    options = {}
+    if "softcap" in features:
+        options["softcap"] = features["softcap"]
+    if "alibi_slopes" in features:
+        shape = (q_heads,) if features["alibi_slopes"] == "heads" else (batch, q_heads)
+        options["alibi_slopes"] = torch.rand(shape, generator=generator) * 0.5
+    if "sinks" in features:
+        options["sinks"] = torch.randn(q_heads, generator=generator)
+    case = kvcache_case(batch=batch, q_heads=q_heads, seqlen_q=3, new_keys=2, capacity=90, page_size=16,
+                        lengths=[0, 40, 70], dtype=torch.float32)
+    check(case, causal=True, window_size=(50, -1), num_splits=num_splits, **options)
+    empty = kvcache_case(batch=batch, q_heads=q_heads, seqlen_q=2, capacity=48, lengths=[0, 5, 30], new_keys=0,
+                         dtype=torch.float16)
+    out, lse = check(empty, num_splits=num_splits, **options)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+
+
+def test_score_features_change_the_output():
+    """Each feature moves the output away from the plain call's: the options reach the kernel."""
+    case = kvcache_case(batch=2, seqlen_q=2, capacity=40, lengths=[20, 33], dtype=torch.float32)
+    plain = fmha.flash_attn_with_kvcache(**case)
+    for options in (dict(softcap=1.0), dict(alibi_slopes=torch.full((4,), 0.3)), dict(sinks=torch.full((4,), 2.0))):
+        assert (fmha.flash_attn_with_kvcache(**case, **options) - plain).abs().max() > 1e-3, options
+
+
 @pytest.mark.parametrize("block_n", [32, 64])
 def test_the_gpus_key_blocks(monkeypatch, block_n):
     """The GPU's tiles (the interpreter pins 16 keys per block): rotated new keys read back inside
@@ -231,8 +270,11 @@ def _bad(**changes):
 
 
 @pytest.mark.parametrize("changes, error, pattern", [
-    (dict(softcap=1.0), NotImplementedError, "softcap"),
-    (dict(alibi_slopes=torch.ones(4)), NotImplementedError, "alibi_slopes"),
+    (dict(softcap=-1.0), ValueError, "softcap must be finite and > 0"),
+    (dict(softcap=True), TypeError, "softcap must be a float"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes must have shape"),
+    (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, "alibi_slopes must be float32"),
+    (dict(sinks=torch.ones(2, 4)), ValueError, "sinks must have shape"),
     (dict(q=torch.ones(2, 1, 4, 32, dtype=torch.int32)), TypeError, "q has dtype"),
     (dict(q=torch.ones(2, 4, 32, dtype=torch.float16)), ValueError, "q must be 4-D"),
     (dict(k_cache=torch.ones(11, 16, 2, 32, dtype=torch.float32)), TypeError, "same dtype"),

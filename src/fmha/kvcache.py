@@ -20,7 +20,8 @@ _FN = "fmha.flash_attn_with_kvcache"
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            sinks=None):
     """Attention of q over a KV cache, after appending k and v to it in place (FlashAttention-2's API).
 
     Args:
@@ -47,10 +48,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             query i sits at key position ``i + Sk_b - Sq`` with ``Sk_b = cache_seqlens[b] + S_new
             - leftpad_b``, and sees keys within ``window_size = (left, right)`` of it (-1:
             unbounded); causal sets right = 0.
-        softcap, alibi_slopes: raise NotImplementedError unless 0.0 / None.
+        softcap: > 0 caps each scaled score at ``softcap * tanh(s / softcap)`` (0.0: off).
+        alibi_slopes: float32 (Hq,) or (B, Hq): adds ``-slope * |i + Sk_b - Sq - j|`` to the scores.
         num_splits: chunks of the keys (split-KV); 0 lets a heuristic pick from B * Hkv, the
             cache's length and the GPU's multiprocessors.
         return_softmax_lse: also return the natural-log LSE (B, Hq, Sq), float32.
+        sinks: float32 (Hq,), learnable sinks (beyond FlashAttention-2's signature): each row's
+            softmax denominator gets ``+ exp(sinks[h])``, as in ``fmha.attention``.
 
     Returns:
         out (B, Sq, Hq, D) in q's dtype, or ``(out, softmax_lse)``. A query that sees no key gets
@@ -64,23 +68,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if torch.compiler.is_compiling():  # traced: the custom ops, whose fakes dynamo reads
         params = kvcache_params(_FN, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                 cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_size,
-                                softcap, rotary_interleaved, alibi_slopes, num_splits)
+                                softcap, rotary_interleaved, alibi_slopes, num_splits, sinks)
         on_device = params.seqlens_on_device
         if not on_device and cache_seqlens is not None:
             check_cache_seqlen(_FN, cache_seqlens, params)
         args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens if on_device else None,
                 -1 if on_device or cache_seqlens is None else cache_seqlens, cache_batch_idx, cache_leftpad,
-                block_table, softmax_scale, causal, *window_size, rotary_interleaved, num_splits)
+                block_table, softmax_scale, causal, *window_size, rotary_interleaved, num_splits,
+                float(softcap), alibi_slopes, sinks)
         op = kvcache_ops.kvcache_attention if k is None else kvcache_ops.kvcache_append_attention
         out, lse = op(*args)
     else:
         forward = kvcache_ops.prepared(_FN, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                       window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+                                       window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, sinks)
         if forward.params.seqlens_on_device:
             lengths, cache_seqlen = cache_seqlens, 0
         else:
             lengths, cache_seqlen = None, check_cache_seqlen(_FN, cache_seqlens, forward.params)
         out, lse = forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_seqlen, cache_batch_idx,
-                           cache_leftpad, block_table)
+                           cache_leftpad, block_table, alibi_slopes, sinks)
     return (out, lse) if return_softmax_lse else out

@@ -32,22 +32,22 @@ def _signature(tensor):
 
 def prepared(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-             num_splits) -> KVCacheForward:
+             num_splits, sinks=None) -> KVCacheForward:
     """The launches of this call's signature, validated once (an int cache_seqlens is not part of it)."""
     try:
         key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(k), _signature(v),
                _signature(rotary_cos), _signature(rotary_sin), _signature(cache_seqlens),
                _signature(cache_batch_idx), _signature(cache_leftpad), _signature(block_table),
                softmax_scale, softmax_scale.__class__, causal, causal.__class__, window_size, softcap,
-               softcap.__class__, rotary_interleaved, rotary_interleaved.__class__, alibi_slopes is None,
-               num_splits, num_splits.__class__)
+               softcap.__class__, rotary_interleaved, rotary_interleaved.__class__, _signature(alibi_slopes),
+               _signature(sinks), num_splits, num_splits.__class__)
         forward = _signatures.get(key)
     except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable arguments: the checks say why
         key = forward = None
     if forward is None:
         params = kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                rotary_interleaved, alibi_slopes, num_splits)
+                                rotary_interleaved, alibi_slopes, num_splits, sinks)
         forward = KVCacheForward(params, kvcache_config(params, multiprocessors(params.device)))
         if key is not None:
             if len(_signatures) >= MAX_SIGNATURES:  # a server that sees ever new shapes starts over
@@ -61,16 +61,17 @@ def forget() -> None:
 
 
 def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
-         block_table, softmax_scale, causal, window_left, window_right, rotary_interleaved, num_splits):
+         block_table, softmax_scale, causal, window_left, window_right, rotary_interleaved, num_splits, softcap,
+         alibi_slopes, sinks):
     """Both ops' implementation: the prepared launches of these arguments."""
     lengths = cache_seqlens if cache_seqlens is not None else (None if cache_seqlen < 0 else cache_seqlen)
     forward = prepared("fmha.flash_attn_with_kvcache", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths,
                        cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                       (window_left, window_right), 0.0, rotary_interleaved, None, num_splits)
+                       (window_left, window_right), softcap, rotary_interleaved, alibi_slopes, num_splits, sinks)
     if cache_seqlens is None and cache_seqlen < 0:  # no lengths: the whole cache
         cache_seqlen = forward.params.capacity
     return forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, max(cache_seqlen, 0),
-                   cache_batch_idx, cache_leftpad, block_table)
+                   cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks)
 
 
 def _fake(q, *args):
@@ -82,7 +83,8 @@ def _fake(q, *args):
 _SCHEMA = ("(Tensor q, Tensor{mutated_k} k_cache, Tensor{mutated_v} v_cache, Tensor? k, Tensor? v, Tensor? rotary_cos, "
            "Tensor? rotary_sin, Tensor? cache_seqlens, SymInt cache_seqlen, Tensor? cache_batch_idx, "
            "Tensor? cache_leftpad, Tensor? block_table, float? softmax_scale, bool causal, int window_left, "
-           "int window_right, bool rotary_interleaved, int num_splits) -> (Tensor, Tensor)")
+           "int window_right, bool rotary_interleaved, int num_splits, float softcap, Tensor? alibi_slopes, "
+           "Tensor? sinks) -> (Tensor, Tensor)")
 
 # Attention over the cache as it is (k and v None).
 kvcache_attention = torch.library.custom_op("fmha::kvcache_attention", _run, mutates_args=(),

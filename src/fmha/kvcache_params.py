@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .flash_attn import _window
-from .params import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_flag
+from .params import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_alibi_slopes, check_flag, check_sinks, check_softcap
 from .runtime import INTERPRETED
 
 
@@ -45,6 +45,9 @@ class KVCacheParams:
     window_left: int | None  # row i sees keys i + Sk_b - Sq - left <= j <= i + Sk_b - Sq + right
     window_right: int | None
     num_splits: int  # 0: the heuristic
+    softcap: float = 0.0  # 0: off
+    alibi: int = 0  # alibi_slopes: 0 none, 1 (Hq,), 2 (B, Hq)
+    has_sinks: bool = False  # sinks, fp32 (Hq,)
 
     @property
     def group(self) -> int:
@@ -87,14 +90,11 @@ def _int32_per_sequence(fn: str, name: str, tensor, batch: int, device: torch.de
 
 def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                   alibi_slopes, num_splits) -> KVCacheParams:
+                   alibi_slopes, num_splits, sinks=None) -> KVCacheParams:
     """Check every argument of ``flash_attn_with_kvcache`` and reduce them to a KVCacheParams."""
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"{fn}: softcap must be a float (0.0: off), got {type(softcap).__name__}")
-    if softcap != 0.0:
-        raise NotImplementedError(f"{fn}: softcap is not supported yet")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{fn}: alibi_slopes is not supported yet")
+    if isinstance(softcap, bool):
+        raise TypeError(f"{fn}: softcap must be a float (0.0: off), got bool")
+    softcap = check_softcap(fn, None if softcap == 0.0 else softcap)
     for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(fn, name, tensor, 4, "(batch, seqlen, heads, head_dim)" if name == "q" else
                 "(batch, seqlen, heads, head_dim), or (pages, page_size, heads, head_dim) with block_table")
@@ -125,6 +125,10 @@ def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     if kv_heads == 0 or q_heads % kv_heads:
         raise ValueError(f"{fn}: the number of query heads ({q_heads}, in q) must be a multiple of the number of "
                          f"key/value heads ({kv_heads}, in k_cache)")
+    alibi = 0
+    if check_alibi_slopes(fn, alibi_slopes, batch, q_heads, device):
+        alibi = alibi_slopes.ndim
+    has_sinks = check_sinks(fn, sinks, q_heads, device)
 
     if block_table is not None:
         _tensor(fn, "block_table", block_table, 2, "(batch, max_blocks_per_sequence)")
@@ -227,7 +231,7 @@ def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         seqlens_on_device=seqlens_on_device, has_batch_idx=cache_batch_idx is not None,
         has_leftpad=cache_leftpad is not None, rotary_dim=rotary_dim, rotary_rows=rotary_rows,
         rotary_interleaved=rotary_interleaved, scale=scale, window_left=left, window_right=right,
-        num_splits=num_splits)
+        num_splits=num_splits, softcap=softcap, alibi=alibi, has_sinks=has_sinks)
 
 
 def check_cache_seqlen(fn: str, cache_seqlens, params: KVCacheParams) -> int:

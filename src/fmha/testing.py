@@ -185,8 +185,12 @@ def random_kvcache(batch, seqlen_q, q_heads, kv_heads, head_dim, capacity, *, ne
 def check_kvcache(flash_attn_with_kvcache, case: dict, **options):
     """Run ``flash_attn_with_kvcache(**case, **options)`` (fmha's, or any with FlashAttention's API;
     the caches change in place) and hold it to the reference: the caches exactly (rotated keys
-    within one rounding), and each sequence's output and LSE by the error rule. Returns ``(out, lse)``."""
+    within one rounding), and each sequence's output and LSE by the error rule. Returns ``(out, lse)``.
+    Score features among the options (softcap, alibi_slopes, sinks) go to the reference too."""
     semantics = {name: options[name] for name in ("causal", "window_size", "rotary_interleaved") if name in options}
+    scores = {name: options[name] for name in ("softcap", "alibi_slopes", "sinks") if options.get(name) is not None}
+    if not scores.get("softcap", 1.0):  # FlashAttention's 0.0: off
+        del scores["softcap"]
     k_expected, v_expected, sequences = kvcache_sequences(**case, **semantics)
     out, lse = flash_attn_with_kvcache(**case, return_softmax_lse=True, **options)
     q = case["q"]
@@ -199,6 +203,9 @@ def check_kvcache(flash_attn_with_kvcache, case: dict, **options):
         assert torch.equal(case["k_cache"], k_expected), "k_cache differs from the expected append"
     assert torch.equal(case["v_cache"], v_expected), "v_cache differs from the expected append"
     for b, (q_b, k_b, v_b, window) in enumerate(sequences):
+        sequence_scores = dict(scores)
+        if "alibi_slopes" in scores and scores["alibi_slopes"].ndim == 2:  # (B, Hq): this sequence's row
+            sequence_scores["alibi_slopes"] = scores["alibi_slopes"][b]
         assert_close_to_reference(out[b].transpose(0, 1)[None], q_b, k_b, v_b, window=window,
-                                  scale=options.get("softmax_scale"), lse=lse[b][None])
+                                  scale=options.get("softmax_scale"), lse=lse[b][None], **sequence_scores)
     return out, lse

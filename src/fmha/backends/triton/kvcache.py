@@ -24,6 +24,11 @@ those keys from the new rows rather than from the cache, so the append costs no 
 Which keys a query row sees is :mod:`fmha.backends.triton.masking`'s rule with the sequence's own
 length: row i sits at key position ``i + Sk_b - Sq`` (FlashAttention's bottom-right alignment).
 
+Scores follow the forward's order (:mod:`fmha.backends.triton.scores`): the softcap, then ALiBi's
+``-slope_h · |pos(i) - j|`` (a slope per query head: the rows of a tile belong to several heads);
+learnable sinks add ``exp(sinks[h])`` to each row's denominator where the row is normalised (after
+the merge of split keys).
+
 Rotary embeddings (cos/sin tables of ROTARY_DIM / 2 columns) rotate the new keys at positions
 ``cache_seqlens_b + t``, and the queries at ``cache_seqlens_b + i`` (``ROTARY_AT_ROWS``, for causal
 or windowed calls) or all at ``cache_seqlens_b``: FlashAttention's convention, with pairs
@@ -37,6 +42,7 @@ import triton.language as tl
 from .common import load_rows
 from .forward import LN_2
 from .masking import key_blocks, visible
+from .scores import LOG2_E, NO_MASK, score_tile
 from .split_kv import merge_chunks
 
 # New rows written per step of the append (decode appends one): small, so that rotating them does
@@ -158,13 +164,22 @@ def _load_block(cache_head, stride_cb, stride_cn, stride_cd, major, minor, new_r
 
 
 @triton.jit
-def _softmax_step(acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_k, lo, hi, qk_scale,
+def _softmax_step(acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_q, seqlen_k, lo, hi, qk_scale,
+                  softcap_scale, slopes,
                   MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  FUSED_SCALE: tl.constexpr):
+                  FUSED_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """Fold one key block (``raw_scores`` = Q·Kᵀ unscaled [M, N], ``v`` [N, D]) into the running
-    max and sum (log2 units) and the accumulator: the forward's online softmax without its score
-    features, kept here so that this kernel and the forward change apart."""
-    scores = raw_scores if FUSED_SCALE else raw_scores * qk_scale
+    max and sum (log2 units) and the accumulator: the forward's online softmax, kept here so that
+    this kernel and the forward change apart; the scores through the forward's
+    :func:`fmha.backends.triton.scores.score_tile` (``slopes`` [M]: each row's head's ALiBi slope)."""
+    if SOFTCAP or ALIBI:
+        row_slopes = 0.0
+        if ALIBI:
+            row_slopes = slopes[:, None]
+        scores, _ = score_tile(raw_scores, rows[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale, softcap_scale,
+                               row_slopes, 0, 0, 0, SOFTCAP, ALIBI, NO_MASK)
+    else:
+        scores = raw_scores if FUSED_SCALE else raw_scores * qk_scale
     if MASKED:
         seen = visible(rows[:, None], keys[None, :], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
         scores = tl.where(seen, scores, float("-inf"))
@@ -189,11 +204,11 @@ def _attend_cache_blocks(
     acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
     stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt, stride_vnd,
     Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
-    rows, offs_d, start, end, leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale,
+    rows, offs_d, start, end, leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr, MERGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+    FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
     """Keys [start, end) of the sequence (whole blocks from ``start``), masked or not; ``MERGED``
     reads the keys being appended from the new rows."""
@@ -213,15 +228,29 @@ def _attend_cache_blocks(
                         stride_sin_row, stride_sin_d, rotary_rows, HEAD_DIM, BLOCK_D, MASKED, MERGED, 0, False)
         if DOT_FP32:
             v = v.to(tl.float32)
-        acc, row_sum, row_max = _softmax_step(acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_k, lo, hi,
-                                              qk_scale, MASKED, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, FUSED_SCALE)
+        acc, row_sum, row_max = _softmax_step(acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_q, seqlen_k,
+                                              lo, hi, qk_scale, softcap_scale, slopes, MASKED, HAS_LEFT, HAS_RIGHT,
+                                              DOT_PRECISION, FUSED_SCALE, SOFTCAP, ALIBI)
     return acc, row_sum, row_max
+
+
+@triton.jit
+def _with_sinks(out, lse, Sinks, heads, stride_sh):
+    """Rows normalised over all their keys (``out``, ``lse`` in log2 units) renormalised with each
+    head's sink in the denominator: ``lse' = log2(2^lse + 2^sink)``, ``out' = out · 2^(lse - lse')``.
+    A row that saw no key keeps zeros and -inf."""
+    sink = tl.load(Sinks + heads.to(tl.int64) * stride_sh) * LOG2_E
+    seen = lse > float("-inf")
+    top = tl.where(seen, tl.maximum(lse, sink), 0.0)
+    kept = tl.math.exp2(tl.where(seen, lse - top, float("-inf")))
+    total = kept + tl.math.exp2(sink - top)
+    return out * (kept / total)[:, None], tl.where(seen, top + tl.math.log2(total), float("-inf"))
 
 
 @triton.jit(do_not_specialize=["cache_seqlen"])
 def kvcache_attention_kernel(
     Q, KCache, VCache, KNew, VNew, Out, Lse, PartialOut, PartialLse, Arrivals,
-    CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Cos, Sin, cache_seqlen,
+    CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Cos, Sin, AlibiSlopes, Sinks, cache_seqlen,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -231,11 +260,13 @@ def kvcache_attention_kernel(
     stride_table, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d,
     new_keys, capacity, cache_batches, rotary_rows,
     num_kv_heads, group_size, seqlen_q, num_rows, chunk, window_left, window_right, qk_scale,
+    stride_ab, stride_ah, stride_sh, softcap_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
     APPEND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_ROWS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
 ):
     """Program (batch * KV head, chunk, packed block) over keys [chunk * split, chunk * (split + 1)).
 
@@ -249,6 +280,10 @@ def kvcache_attention_kernel(
     CUDA graph's replay included, finds zeros). The merge reads only the stored partials in a fixed
     order, so the result does not depend on which chunk is last. Else ``Out`` (B, Sq, Hq, D) and
     ``Lse`` (B, Hq, Sq) directly.
+
+    ``qk_scale`` is ``scale · log2 e``, or ``scale / softcap`` with SOFTCAP (then ``softcap_scale =
+    softcap · log2 e``); ALIBI: slopes ``AlibiSlopes[b · stride_ab + h · stride_ah]``; SINKS: one
+    per query head, ``Sinks[h · stride_sh]``.
     """
     batch = tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
@@ -259,6 +294,9 @@ def kvcache_attention_kernel(
     rows = packed // group_size  # query positions
     heads = kv_head * group_size + packed % group_size
     offs_d = tl.arange(0, BLOCK_D)
+    slopes = 0.0
+    if ALIBI:  # log2 units, one per row's head
+        slopes = tl.load(AlibiSlopes + batch.to(tl.int64) * stride_ab + heads.to(tl.int64) * stride_ah) * LOG2_E
 
     cached, end, cache_batch = _sequence(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, new_keys, capacity,
                                          cache_batches, HAS_SEQLENS, HAS_BATCH_IDX)
@@ -319,31 +357,33 @@ def kvcache_attention_kernel(
         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
         stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
         rows, offs_d, tl.maximum(kv_start, chunk_start), tl.minimum(full_start, chunk_end),
-        leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale,
+        leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-        DOT_PRECISION, FUSED_SCALE, DOT_FP32)
+        DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
     acc, row_sum, row_max = _attend_cache_blocks(
         acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
         stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
         rows, offs_d, tl.maximum(full_start, chunk_start), tl.minimum(full_end, chunk_end),
-        leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale,
+        leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, False, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-        DOT_PRECISION, FUSED_SCALE, DOT_FP32)
+        DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
     acc, row_sum, row_max = _attend_cache_blocks(
         acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
         stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
         rows, offs_d, tl.maximum(full_end, chunk_start), tl.minimum(kv_end, chunk_end),
-        leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale,
+        leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-        DOT_PRECISION, FUSED_SCALE, DOT_FP32)
+        DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
 
     # Rows that saw no key: output 0 and LSE -inf, never 0/0.
     seen = row_sum > 0.0
     row_sum_safe = tl.where(seen, row_sum, 1.0)
     out = acc / row_sum_safe[:, None]
     lse = tl.where(seen, row_max + tl.math.log2(row_sum_safe), float("-inf"))
+    if SINKS and not SPLIT:  # split keys: after the merge
+        out, lse = _with_sinks(out, lse, Sinks, heads, stride_sh)
     index = (batch * num_kv_heads * group_size + heads).to(tl.int64) * seqlen_q + rows  # (b, h, i) flattened
     o_rows = Out + batch.to(tl.int64) * stride_ob + rows.to(tl.int64) * stride_om + heads.to(tl.int64) * stride_oh
     if SPLIT:
@@ -359,6 +399,9 @@ def kvcache_attention_kernel(
             tl.store(counter, 0)
             merged, merged_lse = merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, tl.num_programs(1),
                                               offs_d, HEAD_DIM, ".cg")
+            if SINKS:
+                merged, merged_lse = _with_sinks(merged, merged_lse * LOG2_E, Sinks, heads, stride_sh)
+                merged_lse = merged_lse * LN_2
             tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, merged.to(Out.dtype.element_ty), mask=q_mask)
             tl.store(Lse + index, merged_lse, mask=in_range)
     else:

@@ -18,7 +18,8 @@ from ...runtime import INTERPRETED, interpreter_upcasts, run_compiled
 from .config import KVCacheConfig, padded_head_dim
 from .forward import LOG2_E
 from .kvcache import kvcache_attention_kernel
-from .launch import dot_precision
+from .launch import dot_precision, softcap_tanh
+from .scores import NO_SOFTCAP
 
 
 class _Launch:
@@ -89,48 +90,54 @@ class KVCacheForward:
                  HAS_LEFTPAD=p.has_leftpad, APPEND=p.new_keys > 0,
                  HAS_LEFT=p.window_left is not None, HAS_RIGHT=p.window_right is not None,
                  ROTARY_DIM=p.rotary_dim, ROTARY_INTERLEAVED=p.rotary_interleaved, ROTARY_AT_ROWS=p.rotary_at_rows,
-                 SPLIT=self.splits > 1, DOT_PRECISION=dot_precision(p.dtype), FUSED_SCALE=p.scale > 0,
-                 DOT_FP32=interpreter_upcasts(p.dtype)),
+                 SPLIT=self.splits > 1, DOT_PRECISION=dot_precision(p.dtype),
+                 FUSED_SCALE=p.scale > 0 and not p.softcap and not p.alibi, DOT_FP32=interpreter_upcasts(p.dtype),
+                 SOFTCAP=softcap_tanh(p) if p.softcap else NO_SOFTCAP, ALIBI=bool(p.alibi), SINKS=p.has_sinks),
             config.num_warps, config.num_stages)
         # Split: one arrival counter per (batch and KV head, packed block), zeros between launches
         # (the last chunk to arrive resets its own); made by the first call. Shared by the calls of
         # this signature: two of them running at once on different streams would mix their counts.
         self.arrivals = None
 
-    def _prepare(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table):
+    def _prepare(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, alibi_slopes, sinks):
         """The first call's strides (fixed by the signature) join the integer arguments."""
         p = self.params
+        # qk_scale: log2 units, or the softcap's tanh argument (the softcap_scale multiplies the tanh)
+        qk_scale = p.scale / p.softcap if p.softcap else p.scale * LOG2_E
+        alibi_strides = (0, 0) if alibi_slopes is None else ((0,) + alibi_slopes.stride())[-2:]
         self.attend_launch.fixed = (
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(k, 4), *_strides(v, 4),
             p.seqlen_q * p.q_heads * p.head_dim, p.q_heads * p.head_dim, p.head_dim, 1,
             block_table.stride(0) if block_table is not None else 0, *_strides(rotary_cos, 2),
             *_strides(rotary_sin, 2), p.new_keys, p.capacity, p.cache_batches, p.rotary_rows, p.kv_heads, p.group,
             p.seqlen_q, self.partial_lse_shape[1], self.chunk, p.window_left or 0, p.window_right or 0,
-            p.scale * LOG2_E)
+            qk_scale, *alibi_strides, sinks.stride(0) if sinks is not None else 0, p.softcap * LOG2_E)
 
     def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
-                 cache_batch_idx, cache_leftpad, block_table) -> tuple[torch.Tensor, torch.Tensor]:
+                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes=None,
+                 sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(self.out_shape, device=q.device, dtype=q.dtype)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
         if self.skip:
             return out, lse
         if self.attend_launch.fixed is None:
-            self._prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table)
+            self._prepare(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, alibi_slopes, sinks)
         index = self.device_index
         if index is not None and index != torch.cuda.current_device():
             with torch.cuda.device(index):
                 self._launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
-                             cache_batch_idx, cache_leftpad, block_table, out, lse)
+                             cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, out, lse)
         else:
             self._launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
-                         cache_batch_idx, cache_leftpad, block_table, out, lse)
+                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, out, lse)
         return out, lse
 
     def _launch(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
-                cache_batch_idx, cache_leftpad, block_table, out, lse):
+                cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, out, lse):
         if self.splits == 1:
             self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, None, None, None, cache_seqlens,
-                               cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, cache_seqlen)
+                               cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, alibi_slopes,
+                               sinks, cache_seqlen)
             return
         if self.arrivals is None:
             self.arrivals = torch.zeros(self.attend_launch.grid[0] * self.attend_launch.grid[2], device=q.device,
@@ -140,4 +147,4 @@ class KVCacheForward:
         # One launch: the last chunk of each tile merges the chunks (fmha.backends.triton.kvcache).
         self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, partial_out, partial_lse, self.arrivals,
                            cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
-                           cache_seqlen)
+                           alibi_slopes, sinks, cache_seqlen)
