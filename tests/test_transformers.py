@@ -151,7 +151,63 @@ def test_lengths_mask_columns_are_contiguous():
     assert mask[:, 0, 0, 0].is_contiguous() and mask[:, 0, 0, 1].is_contiguous()
 
 
-def test_softcap_raises():
+def eager_scores_attention(q, k, v, scale, softcap=None, sinks=None, first=None, stop=None):
+    """Gemma 2's softcap and gpt-oss's sinks as their eager attention computes them, in float64:
+    causal, bottom-right aligned, keys [first, stop) of each sequence; (B, Sq, Hq, D)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    keys = torch.arange(seqlen_k)
+    visible = keys[None, :] <= (torch.arange(seqlen_q) + seqlen_k - seqlen_q)[:, None]
+    if first is not None:
+        visible = visible[None] & (keys >= first[:, None, None]) & (keys < stop[:, None, None])
+        visible = visible[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return (probs.nan_to_num(0.0) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("path", ["no-mask", "left-padded-cache", "packed"])
+@pytest.mark.parametrize("features", ["softcap", "sinks", "both"])
+def test_softcap_and_sinks_reach_fmha(calls, path, features):
+    """Gemma 2's softcap and gpt-oss's sinks (s_aux, in the model's dtype) on each of fmha's paths."""
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 9, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 9, 16, generator=generator) for _ in range(2))
+    options = {}
+    if features in ("softcap", "both"):
+        options["softcap"] = 2.0
+    if features in ("sinks", "both"):
+        options["s_aux"] = torch.randn(4, generator=generator).to(torch.bfloat16)
+    sinks = options["s_aux"].float() if "s_aux" in options else None
+    first = stop = mask = None
+    if path != "no-mask":
+        first, stop = torch.tensor([0, 3]), torch.tensor([9, 9])
+        mask = hf.lengths_mask(first, stop)
+    if path == "packed":
+        q.requires_grad_(True)
+    out, _ = hf.fmha_attention_forward(torch.nn.Module(), q, k, v, mask, scaling=0.25, **options)
+    expected = eager_scores_attention(q.detach(), k, v, 0.25, options.get("softcap"), sinks, first, stop)
+    if first is not None:  # padded query rows: zeros in fmha, whatever the eager softmax makes of them
+        real = torch.arange(9)[None, :] >= first[:, None]
+        out, expected = out[real], expected[real]
+    torch.testing.assert_close(out.detach().double(), expected, atol=2e-5, rtol=0)
+    taken = {"no-mask": "attention", "left-padded-cache": "flash_attn_with_kvcache", "packed": "varlen_attention"}
+    assert calls == {taken[path]: 1}
+
+
+def test_softcap_and_sinks_raise_where_sdpa_would_run():
     q = torch.zeros(1, 2, 3, 8)
+    holes = torch.ones(1, 1, 3, 3, dtype=torch.bool)
     with pytest.raises(NotImplementedError, match="softcap"):
-        hf.fmha_attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+        hf.fmha_attention_forward(torch.nn.Module(), q, q, q, holes, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        hf.fmha_attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1, s_aux=torch.zeros(2))

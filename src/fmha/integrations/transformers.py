@@ -26,8 +26,11 @@ What the attention runs, by the mask it receives:
 * Any other mask (a 4-D bool or float mask: holes in the padding, right padding with a cache,
   sliding windows, chunked or packed sequences, mask overlays, a user's custom mask): torch's
   SDPA with that mask, and a warning naming the reason once. So are calls fmha cannot run
-  (attention dropout, gradients through a padded cache). softcap and attention sinks raise
-  ``NotImplementedError``: SDPA cannot run them either.
+  (attention dropout, gradients through a padded cache).
+
+Gemma 2's ``softcap`` and gpt-oss's attention sinks (``s_aux``, one logit per query head) go to
+fmha's kernels on every path above; where the call would fall back to SDPA, which cannot run
+them, it raises ``NotImplementedError`` instead.
 
 The mask function returns a lengths mask only for transformers' plain causal mask whose padding
 it has checked, a host sync per forward pass (transformers' own SDPA masks sync there too).
@@ -158,10 +161,13 @@ def fmha_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    unsupported = sorted(name for name in ("s_aux", "position_bias") if kwargs.get(name) is not None)
-    if unsupported or softcap:
-        what = ", ".join(unsupported + (["softcap"] if softcap else []))
-        raise NotImplementedError(f"fmha (transformers): {what} is not supported; use attn_implementation='eager'")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("fmha (transformers): position_bias is not supported; use attn_implementation='eager'")
+    softcap = softcap or None  # transformers' 0.0 / None: off
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # one logit per query head, in the model's dtype; fmha takes float32 (differentiable)
+        sinks = sinks.reshape(-1).float()
+    scores = dict(softcap=softcap, sinks=sinks)
     left = None if sliding_window is None else sliding_window - 1
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
@@ -170,14 +176,14 @@ def fmha_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         reason = "attention dropout"
     elif attention_mask is None:
         out = attention(query, key, value, causal=bool(is_causal), scale=scaling,
-                        window=None if left is None else (left, None))
+                        window=None if left is None else (left, None), **scores)
         return out.transpose(1, 2), None
     elif not is_lengths_mask(attention_mask):
         reason = GENERAL_MASK
     elif attention_mask.shape[3] == 3 or (needs_grad and seqlen_q == seqlen_k):
         # No cache: the queries are the keys. Pack each sequence's run (differentiable).
         first, stop, _ = _bounds(attention_mask)
-        return _packed(query, key, value, first, stop, scaling, left), None
+        return _packed(query, key, value, first, stop, scaling, left, scores), None
     elif needs_grad:
         reason = "gradients through a padded cache (flash_attn_with_kvcache is inference only)"
     else:
@@ -185,13 +191,18 @@ def fmha_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         # (B, H, S, D) -> FlashAttention's (B, S, H, D): views, any strides.
         out = flash_attn_with_kvcache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                       cache_seqlens=end, cache_leftpad=first, softmax_scale=scaling, causal=True,
-                                      window_size=(-1 if left is None else left, -1))
+                                      window_size=(-1 if left is None else left, -1), softcap=softcap or 0.0,
+                                      sinks=sinks)
         return out, None
+    if softcap or sinks is not None:
+        what = " and ".join(name for name, value in scores.items() if value is not None)
+        raise NotImplementedError(f"fmha (transformers): {what} with {reason}: torch's SDPA, the fallback, cannot "
+                                  "run them; use attn_implementation='eager'")
     _note_fallback(reason)
     return _sdpa(query, key, value, attention_mask, scaling, dropout, bool(is_causal), left), None
 
 
-def _packed(query, key, value, first, stop, scale, left):
+def _packed(query, key, value, first, stop, scale, left, scores):
     """Causal attention of each sequence's run of tokens ``[first, stop)`` (queries and keys at
     the same positions) through fmha.varlen_attention; padded rows get zeros. Two host syncs
     (the packed sizes), as FlashAttention's unpadding."""
@@ -207,7 +218,7 @@ def _packed(query, key, value, first, stop, scale, left):
         return x.transpose(1, 2).reshape(batch * seqlen, x.shape[1], head_dim).index_select(0, index)
 
     out = varlen_attention(packed(query), packed(key), packed(value), cu_seqlens, cu_seqlens, longest, longest,
-                           causal=True, scale=scale, window=None if left is None else (left, None))
+                           causal=True, scale=scale, window=None if left is None else (left, None), **scores)
     full = out.new_zeros(batch * seqlen, q_heads, head_dim).index_copy(0, index, out)
     return full.view(batch, seqlen, q_heads, head_dim)
 
