@@ -30,7 +30,8 @@ What the attention runs, by the mask it receives:
 
 Gemma 2's ``softcap`` and gpt-oss's attention sinks (``s_aux``, one logit per query head) go to
 fmha's kernels on every path above; where the call would fall back to SDPA, which cannot run
-them, it raises ``NotImplementedError`` instead.
+them, it raises ``NotImplementedError`` instead. Both models have sliding-window layers, whose
+masks take that fallback: they run with fmha only where every layer's mask is plain causal.
 
 The mask function returns a lengths mask only for transformers' plain causal mask whose padding
 it has checked, a host sync per forward pass (transformers' own SDPA masks sync there too).
