@@ -1,7 +1,8 @@
 """flash_attn_with_kvcache on the GPU (marker ``gpu``): contiguous and paged caches (page sizes
 1 to 256, powers of two or not), ragged lengths, GQA, append, rotary, leftpad, cache_batch_idx,
 splits, against the float64 reference by the project's error rule; CUDA-graph capture and
-torch.compile of a decode step."""
+torch.compile of a decode step. flash_attn_varlen_func with a block table (packed queries over a
+paged cache) runs in the same kernel and is checked here too."""
 
 import zlib
 
@@ -10,7 +11,7 @@ import torch
 
 import fmha
 from fmha import kvcache_ops
-from fmha.testing import check_kvcache, random_kvcache
+from fmha.testing import check_kvcache, check_paged_varlen, random_kvcache, random_paged_varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -86,10 +87,12 @@ def test_splits_and_windows_gpu(num_splits, window_size):
     check(case, window_size=window_size, num_splits=num_splits)
 
 
-def test_chunked_prefill_gpu():
-    """A long chunk of new queries (Sq = 300) over a paged cache: several packed tiles."""
-    case = random_kvcache(2, 300, 16, 4, 128, 2048, new_keys=300, dtype=torch.bfloat16, device="cuda",
-                          page_size=16, lengths=[0, 1500], seed=3)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(128, 0), (128, 64), (64, 64), (256, 0)], ids=str)
+def test_chunked_prefill_gpu(dtype, head_dim, rotary_dim):
+    """A long chunk of new queries (Sq = 300) appended to a paged cache and attended: the prefill tiles."""
+    case = random_kvcache(2, 300, 16, 4, head_dim, 2048, new_keys=300, dtype=dtype, device="cuda",
+                          page_size=16, lengths=[0, 1500], rotary_dim=rotary_dim, seed=seed_of(dtype, head_dim))
     check(case, causal=True)
 
 
@@ -167,3 +170,61 @@ def test_torch_compile_fullgraph_decode_step_gpu():
     assert torch.equal(got, expected)
     assert torch.equal(compiled_case["k_cache"], eager_case["k_cache"])
     assert torch.equal(compiled_case["v_cache"], eager_case["v_cache"])
+
+
+PAGED_VARLEN_LENGTHS = {
+    # (query lengths, key lengths): decode rows over long caches (split keys), chunked prefill,
+    # and prefill with empty and one-token sequences.
+    "decode": ([1] * 16, [4096, 1, 0, 3000, 77, 2048, 8000, 5, 1024, 1023, 6000, 2, 4097, 300, 7000, 64]),
+    "chunked": ([128, 1, 512, 37], [2048, 1, 4096, 3000]),
+    "prefill": ([700, 0, 1, 1300, 257], [700, 0, 1, 1300, 257]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lengths", list(PAGED_VARLEN_LENGTHS))
+@pytest.mark.parametrize("page_size", [1, 16, 24, 256], ids=lambda size: f"page{size}")
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(32, 8, 128), (8, 8, 64), (16, 2, 256)],
+                         ids=lambda value: str(value))
+def test_paged_varlen_gpu(dtype, lengths, page_size, q_heads, kv_heads, head_dim):
+    """flash_attn_varlen_func with a block table, causal (decode rows see their whole cache)."""
+    case = random_paged_varlen(*PAGED_VARLEN_LENGTHS[lengths], q_heads, kv_heads, head_dim, page_size, dtype=dtype,
+                               device="cuda", seed=seed_of(dtype, lengths, page_size, q_heads, head_dim))
+    check_paged_varlen(fmha.flash_attn_varlen_func, case, causal=True)
+
+
+@pytest.mark.parametrize("options", [dict(window_size=(255, 0)), dict(window_size=(100, 30)),
+                                     dict(causal=True, softcap=30.0), dict(causal=True, alibi="batch")],
+                         ids=["window255", "window100-30", "softcap", "alibi"])
+def test_paged_varlen_options_gpu(options):
+    case = random_paged_varlen(*PAGED_VARLEN_LENGTHS["chunked"], 16, 4, 128, 16, dtype=torch.bfloat16,
+                               device="cuda", seed=seed_of(str(options)))
+    if options.get("alibi"):
+        options = dict(options, alibi_slopes=torch.rand(4, 16, device="cuda") * 0.1)
+        del options["alibi"]
+    check_paged_varlen(fmha.flash_attn_varlen_func, case, **options)
+
+
+def test_paged_varlen_rows_past_a_short_max_seqlen_q_are_nan_gpu():
+    case = random_paged_varlen(*PAGED_VARLEN_LENGTHS["chunked"], 16, 4, 128, 16, dtype=torch.bfloat16,
+                               device="cuda")
+    exact = fmha.flash_attn_varlen_func(**case, causal=True)
+    short = fmha.flash_attn_varlen_func(**{**case, "max_seqlen_q": 64}, causal=True)
+    starts = case["cu_seqlens_q"].tolist()
+    for b in range(len(starts) - 1):
+        # Other chunk counts (a smaller grid): bf16 roundings apart.
+        torch.testing.assert_close(short[starts[b]:starts[b + 1]][:64], exact[starts[b]:starts[b + 1]][:64],
+                                   rtol=2e-2, atol=2e-2)
+    assert short[starts[2] + 64:starts[3]].isnan().all()  # past the grid's 4 blocks of 64 packed rows
+
+
+def test_paged_varlen_cuda_graph_replay_equals_eager_gpu():
+    case = random_paged_varlen(*PAGED_VARLEN_LENGTHS["decode"], 32, 8, 128, 16, dtype=torch.bfloat16, device="cuda")
+    fmha.flash_attn_varlen_func(**case, causal=True)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fmha.flash_attn_varlen_func(**case, causal=True)
+    case["q"].copy_(torch.randn_like(case["q"]))
+    eager = fmha.flash_attn_varlen_func(**case, causal=True)
+    graph.replay()
+    assert torch.equal(captured, eager)

@@ -201,7 +201,8 @@ def test_empty_batch_and_empty_tokens():
     (dict(window_size=(-2, 0)), ValueError, "window_size's left side"),
     (dict(softcap=-30.0), ValueError, "softcap must be finite and > 0"),
     (dict(alibi_slopes=torch.ones(3, 2)), ValueError, r"alibi_slopes must have shape \(2,\) or \(2, 2\)"),
-    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "block_table"),
+    (dict(cu_seqlens_k=torch.tensor([0, 0, 4, 0, 8, 0], dtype=torch.int32)[::2]), ValueError,
+     "cu_seqlens_k must be contiguous"),
 ])
 def test_bad_arguments_are_named(change, error, pattern):
     arguments = dict(q=torch.randn(8, 2, 16), k=torch.randn(8, 2, 16), v=torch.randn(8, 2, 16),

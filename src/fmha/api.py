@@ -252,6 +252,7 @@ def packed_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         if q.device.type != "cpu":
             key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
                    v.dtype, q.device, k.device, v.device, cu_seqlens_q.shape, cu_seqlens_k.shape,
+                   cu_seqlens_q.stride(), cu_seqlens_k.stride(),
                    cu_seqlens_q.dtype, cu_seqlens_k.dtype, cu_seqlens_q.device, cu_seqlens_k.device,
                    max_seqlen_q, max_seqlen_q.__class__, max_seqlen_k, max_seqlen_k.__class__,
                    causal, causal.__class__, scale, scale.__class__, deterministic, deterministic.__class__,

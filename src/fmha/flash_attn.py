@@ -12,17 +12,8 @@ from __future__ import annotations
 import torch
 
 from .api import attention, packed_attention
-
-
-def _window(fn: str, window_size) -> tuple[int | None, int | None] | None:
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"{fn}: window_size must be a (left, right) pair, got {window_size!r}")
-    sides = []
-    for name, side in zip(("left", "right"), window_size):
-        if isinstance(side, bool) or not isinstance(side, int) or side < -1:
-            raise ValueError(f"{fn}: window_size's {name} side must be an int >= -1 (-1: unbounded), got {side!r}")
-        sides.append(None if side == -1 else side)
-    return None if sides == [None, None] else (sides[0], sides[1])
+from .kvcache import paged_varlen_attention
+from .params import check_dropout, check_flag, flash_window
 
 
 def _check_bshd(fn: str, **tensors) -> None:
@@ -39,7 +30,7 @@ def _flash(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     _check_bshd(fn, q=q, k=k, v=v)
     softcap = None if softcap == 0.0 else softcap
     out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                         scale=softmax_scale, window=_window(fn, window_size), softcap=softcap,
+                         scale=softmax_scale, window=flash_window(fn, window_size), softcap=softcap,
                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
                          return_lse=True)
     out = out.transpose(1, 2)
@@ -93,9 +84,25 @@ def _flash_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
     softcap = None if softcap == 0.0 else softcap
     out, lse = packed_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                scale=softmax_scale, window=_window(fn, window_size), softcap=softcap,
+                                scale=softmax_scale, window=flash_window(fn, window_size), softcap=softcap,
                                 alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True,
                                 deterministic=deterministic)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _paged_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table):
+    check_flag(fn, "deterministic", deterministic)
+    check_flag(fn, "return_attn_probs", return_attn_probs)
+    if check_dropout(fn, dropout_p) > 0.0:
+        raise NotImplementedError(f"{fn}: dropout_p > 0 with block_table: attention over a paged cache is "
+                                  "forward only (inference), as in FlashAttention")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(f"{fn}: gradients through block_table (a paged cache) are not supported, as in "
+                                  "FlashAttention; call it under torch.no_grad() or on tensors that do not "
+                                  "require grad")
+    out, lse = paged_varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                                      softmax_scale, causal, window_size, softcap, alibi_slopes)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -109,11 +116,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     are per sequence, bottom-right aligned; softcap, alibi_slopes ((Hq,) or (B, Hq)) and dropout_p as
     in :func:`flash_attn_func`. Returns out (total_q, Hq, D), or ``(out, softmax_lse, None)``
     with ``return_attn_probs=True``: softmax_lse is (Hq, total_q) float32, as in FlashAttention-2.
-    ``block_table`` (paged K/V) raises ``NotImplementedError`` for now.
+
+    ``block_table`` (int32 (B, max_blocks)) reads the keys from a paged cache, as
+    FlashAttention-2 does: k and v are then (pages, page_size, Hkv, D), any page size >= 1, and
+    sequence b's keys are its first ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` positions in the
+    pages its row names (lengths past the table are clamped to it). That call is forward only
+    (no dropout, no gradients), and runs in :func:`fmha.flash_attn_with_kvcache`'s kernel.
+    ``max_seqlen_q`` sizes its grid: as in FlashAttention it must be at least the longest query
+    sequence (the lengths live on the device, so that is not checked); rows past it come out NaN.
     """
     fn = "fmha.flash_attn_varlen_func"
     if block_table is not None:
-        raise NotImplementedError(f"{fn}: block_table (paged K/V) is not supported yet")
+        return _paged_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale,
+                             causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
     return _flash_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                          softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import kvcache_ops
-from .kvcache_params import check_cache_seqlen, kvcache_params
+from .kvcache_params import check_cache_seqlen, kvcache_params, paged_varlen_params
 from .params import check_flag
 
 _FN = "fmha.flash_attn_with_kvcache"
@@ -89,3 +89,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, cache_seqlen, cache_batch_idx,
                            cache_leftpad, block_table, alibi_slopes, sinks)
     return (out, lse) if return_softmax_lse else out
+
+
+def paged_varlen_attention(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                           softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """Packed queries over a paged cache (``flash_attn_varlen_func`` with ``block_table``), in the
+    kernel of :func:`flash_attn_with_kvcache`: ``(out (total_q, Hq, D), lse (Hq, total_q))``."""
+    if torch.compiler.is_compiling():
+        paged_varlen_params(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                            softmax_scale, causal, window_size, softcap, alibi_slopes)
+        return kvcache_ops.paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                  block_table, softmax_scale, causal, *window_size, float(softcap),
+                                                  alibi_slopes)
+    forward = kvcache_ops.prepared_paged_varlen(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                block_table, softmax_scale, causal, window_size, softcap,
+                                                alibi_slopes)
+    return forward(q, k_cache, v_cache, None, None, None, None, cu_seqlens_k, 0, None, None, block_table, alibi_slopes,
+                   None, cu_seqlens_q)

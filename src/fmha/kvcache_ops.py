@@ -8,7 +8,9 @@ Two custom ops with one schema, so that only a call that appends mutates:
 returns ``(out, lse)``; ``fmha::kvcache_attention`` (k and v None) only reads the cache. They take
 the call's arguments in FlashAttention's order, with ``cache_seqlens`` as an optional tensor plus
 its int form (-1: none) and ``window_size`` as two ints. Their fakes give shapes, so
-``torch.compile(fullgraph=True)`` traces a decode step whole.
+``torch.compile(fullgraph=True)`` traces a decode step whole. A third,
+``fmha::paged_varlen_attention``, is ``flash_attn_varlen_func`` with a block table: packed queries
+over a paged cache, through the same kernel.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from .backends.triton.config import kvcache_config
 from .backends.triton.kvcache_launch import KVCacheForward
-from .kvcache_params import kvcache_params
+from .kvcache_params import kvcache_params, paged_varlen_params
 from .runtime import multiprocessors
 
 MAX_SIGNATURES = 4096
@@ -28,6 +30,16 @@ def _signature(tensor):
     if tensor is None or tensor.__class__ is int:
         return tensor.__class__
     return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() & 15 == 0)
+
+
+def _remember(key, params) -> KVCacheForward:
+    """The launches of validated ``params``, kept under ``key`` (None: not kept)."""
+    forward = KVCacheForward(params, kvcache_config(params, multiprocessors(params.device)))
+    if key is not None:
+        if len(_signatures) >= MAX_SIGNATURES:  # a server that sees ever new shapes starts over
+            _signatures.clear()
+        _signatures[key] = forward
+    return forward
 
 
 def prepared(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -45,14 +57,28 @@ def prepared(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable arguments: the checks say why
         key = forward = None
     if forward is None:
-        params = kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                rotary_interleaved, alibi_slopes, num_splits, sinks)
-        forward = KVCacheForward(params, kvcache_config(params, multiprocessors(params.device)))
-        if key is not None:
-            if len(_signatures) >= MAX_SIGNATURES:  # a server that sees ever new shapes starts over
-                _signatures.clear()
-            _signatures[key] = forward
+        forward = _remember(key, kvcache_params(
+            fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            sinks))
+    return forward
+
+
+def prepared_paged_varlen(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                          softmax_scale, causal, window_size, softcap, alibi_slopes) -> KVCacheForward:
+    """The launches of a ``flash_attn_varlen_func`` call over a paged cache, validated once per signature."""
+    try:
+        key = ("paged_varlen", _signature(q), _signature(k_cache), _signature(v_cache), _signature(cu_seqlens_q),
+               _signature(cu_seqlens_k), max_seqlen_q, max_seqlen_q.__class__, _signature(block_table),
+               softmax_scale, softmax_scale.__class__, causal, causal.__class__, window_size, softcap,
+               softcap.__class__, _signature(alibi_slopes))
+        forward = _signatures.get(key)
+    except (AttributeError, TypeError, RuntimeError):
+        key = forward = None
+    if forward is None:
+        forward = _remember(key, paged_varlen_params(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                     block_table, softmax_scale, causal, window_size, softcap,
+                                                     alibi_slopes))
     return forward
 
 
@@ -95,3 +121,26 @@ kvcache_append_attention = torch.library.custom_op(
     "fmha::kvcache_append_attention", _run, mutates_args=("k_cache", "v_cache"),
     schema=_SCHEMA.format(mutated_k="(a!)", mutated_v="(b!)"))
 kvcache_append_attention.register_fake(_fake)
+
+
+def _run_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale,
+                      causal, window_left, window_right, softcap, alibi_slopes):
+    forward = prepared_paged_varlen("fmha.flash_attn_varlen_func", q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, block_table, softmax_scale, causal, (window_left, window_right),
+                                    softcap, alibi_slopes)
+    return forward(q, k_cache, v_cache, None, None, None, None, cu_seqlens_k, 0, None, None, block_table, alibi_slopes,
+                   None, cu_seqlens_q)
+
+
+def _fake_paged_varlen(q, *args):
+    total_q, q_heads, head_dim = q.shape
+    return q.new_empty((total_q, q_heads, head_dim)), q.new_empty((q_heads, total_q), dtype=torch.float32)
+
+
+# flash_attn_varlen_func with block_table: packed queries over a paged cache, forward only.
+paged_varlen_attention = torch.library.custom_op(
+    "fmha::paged_varlen_attention", _run_paged_varlen, mutates_args=(),
+    schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+           "Tensor block_table, float? softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+           "Tensor? alibi_slopes) -> (Tensor, Tensor)")
+paged_varlen_attention.register_fake(_fake_paged_varlen)

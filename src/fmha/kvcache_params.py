@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .flash_attn import _window
-from .params import MAX_HEAD_DIM, SUPPORTED_DTYPES, check_alibi_slopes, check_flag, check_sinks, check_softcap
+from .params import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_alibi_slopes, check_cu_seqlens, check_flag, check_max_seqlen,
+                     check_sinks, check_softcap, flash_window)
 from .runtime import INTERPRETED
 
 
@@ -48,6 +48,10 @@ class KVCacheParams:
     softcap: float = 0.0  # 0: off
     alibi: int = 0  # alibi_slopes: 0 none, 1 (Hq,), 2 (B, Hq)
     has_sinks: bool = False  # sinks, fp32 (Hq,)
+    # Packed queries (flash_attn_varlen_func with block_table): q (total_q, Hq, D) cut by
+    # cu_seqlens_q, seqlen_q the longest sequence, key lengths from cu_seqlens_k.
+    varlen: bool = False
+    total_q: int = 0
 
     @property
     def group(self) -> int:
@@ -61,7 +65,7 @@ class KVCacheParams:
 
     @property
     def no_output(self) -> bool:
-        return self.batch * self.seqlen_q * self.q_heads == 0
+        return (self.total_q if self.varlen else self.batch * self.seqlen_q) * self.q_heads == 0
 
 
 def _tensor(fn: str, name: str, tensor, ndim: int, meaning: str) -> torch.Tensor:
@@ -88,16 +92,17 @@ def _int32_per_sequence(fn: str, name: str, tensor, batch: int, device: torch.de
     _on_device(fn, name, tensor, device)
 
 
-def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                   alibi_slopes, num_splits, sinks=None) -> KVCacheParams:
-    """Check every argument of ``flash_attn_with_kvcache`` and reduce them to a KVCacheParams."""
+def _cache(fn, q, k_cache, v_cache, block_table, batch, q_heads, head_dim, softcap, alibi_slopes, sinks,
+           cache_batch_idx=None) -> dict:
+    """Checks shared by both entry points: q's dtype and device, the caches, the block table and
+    the score options. Returns those KVCacheParams fields."""
     if isinstance(softcap, bool):
         raise TypeError(f"{fn}: softcap must be a float (0.0: off), got bool")
     softcap = check_softcap(fn, None if softcap == 0.0 else softcap)
     for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _tensor(fn, name, tensor, 4, "(batch, seqlen, heads, head_dim)" if name == "q" else
-                "(batch, seqlen, heads, head_dim), or (pages, page_size, heads, head_dim) with block_table")
+        if name != "q":
+            _tensor(fn, name, tensor, 4, "(batch, seqlen, heads, head_dim), or (pages, page_size, heads, head_dim) "
+                    "with block_table")
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{fn}: {name} has dtype {tensor.dtype}; supported dtypes are torch.float16, "
                             "torch.bfloat16 and torch.float32")
@@ -113,7 +118,6 @@ def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                          "TRITON_INTERPRET=1, or on meta tensors for shapes only)")
     _on_device(fn, "k_cache", k_cache, device)
     _on_device(fn, "v_cache", v_cache, device)
-    batch, seqlen_q, q_heads, head_dim = q.shape
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head dim (last dim of q) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
     if v_cache.shape != k_cache.shape:
@@ -152,6 +156,40 @@ def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if cache_batch_idx is None and k_cache.shape[0] < batch:
             raise ValueError(f"{fn}: k_cache holds {k_cache.shape[0]} sequences, q has {batch}; pass "
                              "cache_batch_idx to pick cache rows")
+    return dict(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=q.dtype, device=device,
+                capacity=capacity, cache_batches=k_cache.shape[0], page_size=page_size, softcap=softcap, alibi=alibi,
+                has_sinks=has_sinks)
+
+
+def _scale_and_window(fn, softmax_scale, causal, window_size, capacity, head_dim) -> dict:
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"{fn}: softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    elif not math.isfinite(softmax_scale):
+        raise ValueError(f"{fn}: softmax_scale must be finite, got {softmax_scale}")
+    else:
+        scale = float(softmax_scale)
+    check_flag(fn, "causal", causal)
+    left, right = flash_window(fn, window_size) or (None, None)
+    if causal:
+        right = 0
+    # As FlashAttention: a side at least as long as the cache is unbounded (which also decides
+    # where rotary puts the queries).
+    left = None if left is not None and left >= capacity else left
+    right = None if right is not None and right >= capacity else right
+    return dict(scale=scale, window_left=left, window_right=right)
+
+
+def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                   alibi_slopes, num_splits, sinks=None) -> KVCacheParams:
+    """Check every argument of ``flash_attn_with_kvcache`` and reduce them to a KVCacheParams."""
+    _tensor(fn, "q", q, 4, "(batch, seqlen, heads, head_dim)")
+    batch, seqlen_q, q_heads, head_dim = q.shape
+    fields = _cache(fn, q, k_cache, v_cache, block_table, batch, q_heads, head_dim, softcap, alibi_slopes, sinks,
+                    cache_batch_idx)
+    device, capacity, kv_heads = fields["device"], fields["capacity"], fields["kv_heads"]
     if cache_batch_idx is not None:
         _int32_per_sequence(fn, "cache_batch_idx", cache_batch_idx, batch, device)
     if cache_leftpad is not None:
@@ -205,33 +243,36 @@ def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if rotary_rows < capacity:
             raise ValueError(f"{fn}: rotary_cos has {rotary_rows} positions, fewer than the cache holds ({capacity})")
 
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"{fn}: softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    elif not math.isfinite(softmax_scale):
-        raise ValueError(f"{fn}: softmax_scale must be finite, got {softmax_scale}")
-    else:
-        scale = float(softmax_scale)
-    check_flag(fn, "causal", causal)
+    scale_and_window = _scale_and_window(fn, softmax_scale, causal, window_size, capacity, head_dim)
     check_flag(fn, "rotary_interleaved", rotary_interleaved)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"{fn}: num_splits must be an int >= 0 (0: chosen by a heuristic), got {num_splits!r}")
-    left, right = _window(fn, window_size) or (None, None)
-    if causal:
-        right = 0
-    # As FlashAttention: a side at least as long as the cache is unbounded (which also decides
-    # where rotary puts the queries).
-    left = None if left is not None and left >= capacity else left
-    right = None if right is not None and right >= capacity else right
-
     return KVCacheParams(
-        batch=batch, seqlen_q=seqlen_q, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=q.dtype,
-        device=device, capacity=capacity, cache_batches=k_cache.shape[0], page_size=page_size, new_keys=new_keys,
-        seqlens_on_device=seqlens_on_device, has_batch_idx=cache_batch_idx is not None,
-        has_leftpad=cache_leftpad is not None, rotary_dim=rotary_dim, rotary_rows=rotary_rows,
-        rotary_interleaved=rotary_interleaved, scale=scale, window_left=left, window_right=right,
-        num_splits=num_splits, softcap=softcap, alibi=alibi, has_sinks=has_sinks)
+        seqlen_q=seqlen_q, new_keys=new_keys, seqlens_on_device=seqlens_on_device,
+        has_batch_idx=cache_batch_idx is not None, has_leftpad=cache_leftpad is not None, rotary_dim=rotary_dim,
+        rotary_rows=rotary_rows, rotary_interleaved=rotary_interleaved, num_splits=num_splits, **fields,
+        **scale_and_window)
+
+
+def paged_varlen_params(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                        softmax_scale, causal, window_size, softcap, alibi_slopes, sinks=None) -> KVCacheParams:
+    """Check a ``flash_attn_varlen_func`` call with ``block_table``: q (total_q, Hq, D) packed by
+    ``cu_seqlens_q``; sequence b's keys are its first ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``
+    positions in the pages that row b of the block table names."""
+    _tensor(fn, "q", q, 3, "(total_q, heads, head_dim)")
+    check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.device, q.shape[0], "q")
+    check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, q.device, None, "k")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+                         f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    max_seqlen_q = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q)
+    total_q, q_heads, head_dim = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    fields = _cache(fn, q, k_cache, v_cache, block_table, batch, q_heads, head_dim, softcap, alibi_slopes, sinks)
+    return KVCacheParams(
+        seqlen_q=max_seqlen_q, new_keys=0, seqlens_on_device=True, has_batch_idx=False, has_leftpad=False,
+        rotary_dim=0, rotary_rows=0, rotary_interleaved=False, num_splits=0, varlen=True, total_q=total_q,
+        **fields, **_scale_and_window(fn, softmax_scale, causal, window_size, fields["capacity"], head_dim))
 
 
 def check_cache_seqlen(fn: str, cache_seqlens, params: KVCacheParams) -> int:

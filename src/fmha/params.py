@@ -259,6 +259,18 @@ def check_window(fn: str, window) -> tuple[int | None, int | None]:
     return sides[0], sides[1]
 
 
+def flash_window(fn: str, window_size) -> tuple[int | None, int | None] | None:
+    """FlashAttention's ``window_size=(left, right)`` (-1: unbounded) as fmha's window (None: none)."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"{fn}: window_size must be a (left, right) pair, got {window_size!r}")
+    sides = []
+    for name, side in zip(("left", "right"), window_size):
+        if isinstance(side, bool) or not isinstance(side, int) or side < -1:
+            raise ValueError(f"{fn}: window_size's {name} side must be an int >= -1 (-1: unbounded), got {side!r}")
+        sides.append(None if side == -1 else side)
+    return None if sides == [None, None] else (sides[0], sides[1])
+
+
 def check_softcap(fn: str, softcap) -> float:
     """``softcap``: None (off) or a finite real > 0; 0.0 stands for off in the options."""
     if softcap is None:
@@ -389,25 +401,29 @@ def _explicit(fn: str, config, backend: str) -> dict:
     return dict(backend=backend or chosen, config=config_ints)
 
 
-def _check_cu_seqlens(fn: str, name: str, cu_seqlens, device: torch.device, total: int, tokens: str) -> None:
+def check_cu_seqlens(fn: str, name: str, cu_seqlens, device: torch.device, total: int | None, tokens: str) -> None:
+    """int32 (batch + 1,) offsets on ``device``; on the CPU their values too: from 0, never
+    decreasing, ending at ``total`` (the tokens in ``tokens``; None: any end)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
         raise TypeError(f"{fn}: {name} must be int32 (as in FlashAttention), got {cu_seqlens.dtype}")
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() == 0:
         raise ValueError(f"{fn}: {name} must be 1-D with batch + 1 entries, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.numel() > 1 and cu_seqlens.stride(0) != 1:  # the kernels read entry b at offset b
+        raise ValueError(f"{fn}: {name} must be contiguous, got stride {cu_seqlens.stride(0)}")
     if cu_seqlens.device != device:
         raise ValueError(f"{fn}: {name} is on {cu_seqlens.device} and {tokens} on {device}; they must share a device")
     if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling():
         # The values can be read for free here (the interpreter); on a GPU that would cost a
         # synchronisation per call, and the kernels clamp every sequence into the tensor instead.
         values = cu_seqlens.tolist()
-        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] != total:
-            raise ValueError(f"{fn}: {name} must start at 0, never decrease and end at {total} (the tokens "
-                             f"in {tokens}), got {values}")
+        if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or total not in (None, values[-1]):
+            end = "" if total is None else f" and end at {total} (the tokens in {tokens})"
+            raise ValueError(f"{fn}: {name} must start at 0{',' if end else ' and'} never decrease{end}, got {values}")
 
 
-def _check_max_seqlen(fn: str, name: str, value) -> int:
+def check_max_seqlen(fn: str, name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{fn}: {name} must be a non-negative int, got {value!r}")
     return int(value)
@@ -425,13 +441,13 @@ def varlen_params(fn: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              f"got {tensor.ndim}-D with shape {tuple(tensor.shape)}")
     # The packed tensors viewed as one batch of (1, H, total, D): the dense checks apply.
     check_qkv(fn, *(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), names=names)
-    _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.device, q.shape[0], names[0])
-    _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, q.device, k.shape[0], names[1])
+    check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q.device, q.shape[0], names[0])
+    check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, q.device, k.shape[0], names[1])
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"{fn}: cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
                          f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
-    max_seqlen_q = _check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k)
     causal = check_flag(fn, "causal", causal)
     check_flag(fn, "deterministic", deterministic)
     left, right = check_window(fn, window)

@@ -25,7 +25,7 @@ import torch
 from .masking import Window, window_of
 
 __all__ = ["causal_offset", "online_attention", "direct_attention", "dense_attention", "rotary_embedding",
-           "kvcache_sequences", "kvcache_attention"]
+           "kvcache_sequences", "kvcache_attention", "paged_varlen_sequences"]
 
 
 def causal_offset(seqlen_q: int, seqlen_k: int, alignment: str = "bottom_right") -> int:
@@ -269,3 +269,27 @@ def kvcache_attention(q, k_cache, v_cache, *, softmax_scale=None, **kwargs):
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses), k_cache, v_cache
+
+
+def paged_varlen_sequences(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, causal=False,
+                           window_size=(-1, -1)):
+    """What ``fmha.flash_attn_varlen_func`` with ``block_table`` attends, one sequence at a time:
+    ``(q, k, v, window)`` per sequence, q (1, Hq, Sq_b, D) from the packed rows, k and v (1, Hkv,
+    Sk_b, D) gathered from the pages of its block table row, ``Sk_b = cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b]``; query i sits at key position i + Sk_b - Sq_b."""
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size
+    left, right = (None if side == -1 else side for side in window_size)
+    if causal:
+        right = 0
+    left = None if left is not None and left >= capacity else left
+    right = None if right is not None and right >= capacity else right
+    starts, ends = cu_seqlens_q.tolist(), cu_seqlens_k.diff().tolist()
+    sequences = []
+    for b, seqlen_k in enumerate(ends):
+        positions = torch.arange(seqlen_k, device=k_cache.device)
+        pages, rows = block_table[b].long()[positions // page_size], positions % page_size
+        q_b = q[starts[b]:starts[b + 1]].transpose(0, 1)[None]
+        keys, values = (cache[pages, rows].transpose(0, 1)[None] for cache in (k_cache, v_cache))
+        sequences.append((q_b, keys, values, Window(seqlen_k - q_b.shape[2], left, right)))
+    return sequences

@@ -6,7 +6,9 @@
 * :func:`relative_error` (against float64) and :func:`time_ms` (``do_bench`` median, CUDA graphs
   for launch-bound calls).
 * :func:`random_kvcache` and :func:`check_kvcache`: a ``flash_attn_with_kvcache`` call's inputs
-  (contiguous or paged caches, ragged lengths) and its check against the float64 reference.
+  (contiguous or paged caches, ragged lengths) and its check against the float64 reference;
+  :func:`random_paged_varlen` and :func:`check_paged_varlen` the same for
+  ``flash_attn_varlen_func`` with a block table.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .masking import Window, visible_mask, window_of
-from .reference import dense_attention, kvcache_sequences
+from .reference import dense_attention, kvcache_sequences, paged_varlen_sequences
 
 # Below this, host-side launch time can show up in stream timing (the GPU waits for the CPU):
 # replay a CUDA graph instead, which measures the GPU alone. The threshold is above 50 µs because
@@ -208,4 +210,55 @@ def check_kvcache(flash_attn_with_kvcache, case: dict, **options):
             sequence_scores["alibi_slopes"] = scores["alibi_slopes"][b]
         assert_close_to_reference(out[b].transpose(0, 1)[None], q_b, k_b, v_b, window=window,
                                   scale=options.get("softmax_scale"), lse=lse[b][None], **sequence_scores)
+    return out, lse
+
+
+def random_paged_varlen(lengths_q, lengths_k, q_heads, kv_heads, head_dim, page_size, *, dtype=torch.float16,
+                        device="cpu", spare_blocks=0, seed=0) -> dict:
+    """Keyword arguments of a ``flash_attn_varlen_func`` call over a paged cache, drawn fresh:
+    packed q, int32 cu_seqlens, and k/v pages in a shuffled block table (plus spare pages no
+    sequence owns, and ``spare_blocks`` unused entries per row); every page slot is random."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    def offsets(lengths):
+        return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
+                            dtype=torch.int32, device=device)
+
+    batch = len(lengths_q)
+    blocks = max(1, -(-max(lengths_k, default=0) // page_size)) + spare_blocks
+    pages = batch * blocks + 3
+    table = torch.randperm(pages, generator=generator)[:batch * blocks].reshape(batch, blocks)
+    return dict(q=randn(sum(lengths_q), q_heads, head_dim), k=randn(pages, page_size, kv_heads, head_dim),
+                v=randn(pages, page_size, kv_heads, head_dim), cu_seqlens_q=offsets(lengths_q),
+                cu_seqlens_k=offsets(lengths_k), max_seqlen_q=max(lengths_q, default=0),
+                max_seqlen_k=max(lengths_k, default=0), block_table=table.to(device=device, dtype=torch.int32))
+
+
+def check_paged_varlen(flash_attn_varlen_func, case: dict, **options):
+    """Run ``flash_attn_varlen_func(**case, **options)`` with a block table and hold each sequence's
+    output and LSE to the float64 reference by the error rule; the pages must not change.
+    Returns ``(out, lse)``."""
+    semantics = {name: options[name] for name in ("causal", "window_size") if name in options}
+    scores = {name: options[name] for name in ("softcap", "alibi_slopes") if options.get(name) is not None}
+    if not scores.get("softcap", 1.0):  # FlashAttention's 0.0: off
+        del scores["softcap"]
+    pages = case["k"].clone(), case["v"].clone()
+    out, lse, _ = flash_attn_varlen_func(**case, return_attn_probs=True, **options)
+    q = case["q"]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    assert torch.equal(case["k"], pages[0]) and torch.equal(case["v"], pages[1]), "the pages changed"
+    starts = case["cu_seqlens_q"].tolist()
+    sequences = paged_varlen_sequences(q, case["k"], case["v"], case["cu_seqlens_q"], case["cu_seqlens_k"],
+                                       case["block_table"], **semantics)
+    for b, (q_b, k_b, v_b, window) in enumerate(sequences):
+        rows = slice(starts[b], starts[b + 1])
+        sequence_scores = dict(scores)
+        if "alibi_slopes" in scores and scores["alibi_slopes"].ndim == 2:  # (B, Hq): this sequence's row
+            sequence_scores["alibi_slopes"] = scores["alibi_slopes"][b]
+        assert_close_to_reference(out[rows].transpose(0, 1)[None], q_b, k_b, v_b, window=window,
+                                  scale=options.get("softmax_scale"), lse=lse[:, rows][None], **sequence_scores)
     return out, lse

@@ -117,12 +117,17 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     block_d = padded_head_dim(params.head_dim)
     packed_rows = params.group * params.seqlen_q
     block_m = max(16, min(64, triton.next_power_of_2(packed_rows)))
+    num_warps = 4
     if multiprocessors < 8:  # the interpreter: small tiles
         block_n = 16
     else:
         block_n = 64 if block_d <= 128 else 32
         if params.dtype == torch.float32:
             block_n = max(16, block_n // 2)
+        elif packed_rows >= 128 and block_d <= 128:
+            # Chunked prefill: compute-bound, larger tiles (H100, 4 x 512 queries over 4096 keys:
+            # 181 -> 262 TFLOP/s; docs/perf.md).
+            block_m, block_n, num_warps = 128, 128, 8
     key_blocks = max(1, -(-params.capacity // block_n))
     programs = params.batch * params.kv_heads * -(-packed_rows // block_m)
     if params.num_splits > 0:
@@ -131,8 +136,8 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
         splits = max(-(-params.capacity // KVCACHE_CHUNK_KEYS),
                      min(multiprocessors // max(programs, 1), key_blocks // KVCACHE_MIN_CHUNK_BLOCKS))
     splits = max(1, min(splits, key_blocks))
-    num_stages = 3 if programs * splits < 2 * multiprocessors else 2
-    return KVCacheConfig(block_m, block_n, 4, num_stages, splits)
+    num_stages = 3 if programs * splits < 2 * multiprocessors or block_m == 128 else 2
+    return KVCacheConfig(block_m, block_n, num_warps, num_stages, splits)
 
 
 class BackwardConfig(ForwardConfig):

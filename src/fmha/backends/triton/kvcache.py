@@ -44,6 +44,7 @@ from .forward import LN_2
 from .masking import key_blocks, visible
 from .scores import LOG2_E, NO_MASK, score_tile
 from .split_kv import merge_chunks
+from .varlen import sequence_span
 
 # New rows written per step of the append (decode appends one): small, so that rotating them does
 # not raise the kernel's registers and spill.
@@ -91,10 +92,13 @@ def _cache_slots(table_row, cache_batch, positions, in_range, PAGE_SIZE: tl.cons
 
 @triton.jit
 def _sequence(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, new_keys, capacity, cache_batches,
-              HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr):
+              HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, CUMULATIVE: tl.constexpr):
     """``(cached, end, cache_batch)``: the sequence's cached length, the end of its keys after the
-    append (clamped to the cache; 0 for a cache batch index outside it) and its cache batch."""
-    if HAS_SEQLENS:
+    append (clamped to the cache; 0 for a cache batch index outside it) and its cache batch.
+    ``CUMULATIVE``: CacheSeqlens holds offsets, the length is ``CacheSeqlens[b + 1] - CacheSeqlens[b]``."""
+    if CUMULATIVE:
+        cached = tl.load(CacheSeqlens + batch + 1) - tl.load(CacheSeqlens + batch)
+    elif HAS_SEQLENS:
         cached = tl.load(CacheSeqlens + batch)
     else:
         cached = cache_seqlen + 0 * batch
@@ -247,49 +251,24 @@ def _with_sinks(out, lse, Sinks, heads, stride_sh):
     return out * (kept / total)[:, None], tl.where(seen, top + tl.math.log2(total), float("-inf"))
 
 
-@triton.jit(do_not_specialize=["cache_seqlen"])
-def kvcache_attention_kernel(
-    Q, KCache, VCache, KNew, VNew, Out, Lse, PartialOut, PartialLse, Arrivals,
-    CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Cos, Sin, AlibiSlopes, Sinks, cache_seqlen,
-    stride_qb, stride_qm, stride_qh, stride_qd,
-    stride_kb, stride_kn, stride_kh, stride_kd,
-    stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_knb, stride_knt, stride_knh, stride_knd,
-    stride_vnb, stride_vnt, stride_vnh, stride_vnd,
-    stride_ob, stride_om, stride_oh, stride_od,
-    stride_table, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d,
-    new_keys, capacity, cache_batches, rotary_rows,
-    num_kv_heads, group_size, seqlen_q, num_rows, chunk, window_left, window_right, qk_scale,
-    stride_ab, stride_ah, stride_sh, softcap_scale,
+@triton.jit
+def _attend_tile(
+    tile, chunk_start, chunk_end, q_ptr, q_start, seqlen_q, batch, kv_head, group_size,
+    stride_qb, stride_qm, stride_qh, stride_qd, k_head, v_head, k_new, v_new, table_row, cache_batch,
+    stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt, stride_vnd,
+    Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+    leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, AlibiSlopes, stride_ab, stride_ah,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
-    APPEND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_ROWS: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
 ):
-    """Program (batch * KV head, chunk, packed block) over keys [chunk * split, chunk * (split + 1)).
-
-    ``APPEND``: the program of chunk 0 and packed block 0 writes the sequence's new rows into the
-    cache (for its KV head), and every program reads the keys at or past ``cache_seqlens_b`` from
-    the new rows, so no program waits for another.
-    ``SPLIT``: each chunk writes ``PartialOut[split, b, h, i]`` and ``PartialLse`` (log2 units),
-    rows (b, h, i) flattened, then counts itself in ``Arrivals[program_id(0), program_id(2)]``
-    (int32, zero before the launch); the last chunk of the tile to arrive merges all of them in
-    chunk order into ``Out`` and ``Lse`` and sets its counter back to zero (so the next launch, a
-    CUDA graph's replay included, finds zeros). The merge reads only the stored partials in a fixed
-    order, so the result does not depend on which chunk is last. Else ``Out`` (B, Sq, Hq, D) and
-    ``Lse`` (B, Hq, Sq) directly.
-
-    ``qk_scale`` is ``scale · log2 e``, or ``scale / softcap`` with SOFTCAP (then ``softcap_scale =
-    softcap · log2 e``); ALIBI: slopes ``AlibiSlopes[b · stride_ab + h · stride_ah]``; SINKS: one
-    per query head, ``Sinks[h · stride_sh]``.
-    """
-    batch = tl.program_id(0) // num_kv_heads
-    kv_head = tl.program_id(0) % num_kv_heads
-    split = tl.program_id(1)
+    """Packed block ``tile`` of the sequence (BLOCK_M rows of the group's query heads) over its keys
+    in [chunk_start, chunk_end): ``(out, lse, rows, heads, in_range)``, out normalised over those
+    keys and lse in log2 units (-inf and zeros for rows that saw none)."""
     packed_rows = group_size * seqlen_q
-    packed = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    packed = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     in_range = packed < packed_rows
     rows = packed // group_size  # query positions
     heads = kv_head * group_size + packed % group_size
@@ -298,45 +277,16 @@ def kvcache_attention_kernel(
     if ALIBI:  # log2 units, one per row's head
         slopes = tl.load(AlibiSlopes + batch.to(tl.int64) * stride_ab + heads.to(tl.int64) * stride_ah) * LOG2_E
 
-    cached, end, cache_batch = _sequence(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, new_keys, capacity,
-                                         cache_batches, HAS_SEQLENS, HAS_BATCH_IDX)
-    if HAS_LEFTPAD:
-        leftpad = tl.minimum(tl.maximum(tl.load(CacheLeftpad + batch), 0), end)
-    else:
-        leftpad = 0
-    seqlen_k = end - leftpad
-    lo = seqlen_k - seqlen_q - window_left
-    hi = seqlen_k - seqlen_q + window_right
-    new_start = cached - leftpad  # the first appended key
-
-    k_head = KCache + kv_head.to(tl.int64) * stride_kh
-    v_head = VCache + kv_head.to(tl.int64) * stride_vh
-    table_row = BlockTable
-    if PAGE_SIZE > 0:
-        table_row = BlockTable + batch.to(tl.int64) * stride_table
-    k_new = KNew
-    v_new = VNew
-    if APPEND:
-        k_new = KNew + batch.to(tl.int64) * stride_knb + kv_head.to(tl.int64) * stride_knh
-        v_new = VNew + batch.to(tl.int64) * stride_vnb + kv_head.to(tl.int64) * stride_vnh
-        if (split == 0) & (tl.program_id(2) == 0):
-            _append_rows(k_new, v_new, k_head, v_head, stride_knt, stride_knd, stride_vnt, stride_vnd,
-                         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-                         table_row, cache_batch, cached, end, new_keys, cache_batches, offs_d,
-                         Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
-                         HEAD_DIM, APPEND_ROWS, PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED)
-
-    first_row = tl.program_id(2) * BLOCK_M // group_size
-    last_row = (tl.minimum(tl.program_id(2) * BLOCK_M + BLOCK_M, packed_rows) - 1) // group_size
+    first_row = tile * BLOCK_M // group_size
+    last_row = (tl.minimum(tile * BLOCK_M + BLOCK_M, packed_rows) - 1) // group_size
     kv_start, full_start, full_end, kv_end = key_blocks(
         first_row, last_row - first_row + 1, seqlen_k, lo, hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if APPEND:  # blocks holding appended keys run masked, reading those keys from the new rows
         full_end = tl.maximum(tl.minimum(full_end, tl.maximum(new_start, 0) // BLOCK_N * BLOCK_N), full_start)
-    chunk_start = split * chunk
-    chunk_end = chunk_start + chunk
 
     q_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q_rows = Q + batch.to(tl.int64) * stride_qb + rows.to(tl.int64) * stride_qm + heads.to(tl.int64) * stride_qh
+    q_rows = (q_ptr + batch.to(tl.int64) * stride_qb + (q_start + rows).to(tl.int64) * stride_qm
+              + heads.to(tl.int64) * stride_qh)
     q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
     if ROTARY_DIM > 0:
         if ROTARY_AT_ROWS:
@@ -344,14 +294,14 @@ def kvcache_attention_kernel(
         else:
             positions = cached + 0 * rows
         q = _rotate(q, q_rows, stride_qd, offs_d, positions, q_mask, Cos, Sin, stride_cos_row, stride_cos_d,
-                    stride_sin_row, stride_sin_d, rotary_rows, ROTARY_DIM, ROTARY_INTERLEAVED).to(Q.dtype.element_ty)
+                    stride_sin_row, stride_sin_d, rotary_rows, ROTARY_DIM, ROTARY_INTERLEAVED).to(q_ptr.dtype.element_ty)
     if DOT_FP32:
         q = q.to(tl.float32)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    # The tile's three ranges (masked, whole blocks, masked), each cut to this chunk.
+    # The tile's three ranges (masked, whole blocks, masked), each cut to the chunk.
     acc, row_sum, row_max = _attend_cache_blocks(
         acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
@@ -382,10 +332,107 @@ def kvcache_attention_kernel(
     row_sum_safe = tl.where(seen, row_sum, 1.0)
     out = acc / row_sum_safe[:, None]
     lse = tl.where(seen, row_max + tl.math.log2(row_sum_safe), float("-inf"))
+    return out, lse, rows, heads, in_range
+
+
+@triton.jit(do_not_specialize=["cache_seqlen"])
+def kvcache_attention_kernel(
+    Q, KCache, VCache, KNew, VNew, Out, Lse, PartialOut, PartialLse, Arrivals,
+    CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Cos, Sin, AlibiSlopes, Sinks, CuSeqlensQ, cache_seqlen,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_knb, stride_knt, stride_knh, stride_knd,
+    stride_vnb, stride_vnt, stride_vnh, stride_vnd,
+    stride_ob, stride_om, stride_oh, stride_od, stride_lb, stride_lh,
+    stride_table, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d,
+    new_keys, capacity, cache_batches, rotary_rows,
+    num_kv_heads, group_size, seqlen_q, total_q, num_rows, chunk, window_left, window_right, qk_scale,
+    stride_ab, stride_ah, stride_sh, softcap_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    APPEND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, VARLEN_Q: tl.constexpr,
+):
+    """Program (batch * KV head, chunk, packed block) over keys [chunk * split, chunk * (split + 1)).
+
+    ``APPEND``: the program of chunk 0 and packed block 0 writes the sequence's new rows into the
+    cache (for its KV head), and every program reads the keys at or past ``cache_seqlens_b`` from
+    the new rows, so no program waits for another.
+    ``SPLIT``: each chunk writes ``PartialOut[split, row]`` and ``PartialLse`` (log2 units), rows
+    numbered as in ``Lse``, then counts itself in ``Arrivals[program_id(0), program_id(2)]``
+    (int32, zero before the launch); the last chunk of the tile to arrive merges all of them in
+    chunk order into ``Out`` and ``Lse`` and sets its counter back to zero (so the next launch, a
+    CUDA graph's replay included, finds zeros). The merge reads only the stored partials in a fixed
+    order, so the result does not depend on which chunk is last. Else ``Out`` and ``Lse`` directly.
+    Row i of head h of sequence b is ``Out[b, q_start + i, h]`` and ``Lse[b · stride_lb + h · stride_lh
+    + q_start + i]``: q_start is 0 for (B, Sq, Hq, D) queries.
+
+    ``VARLEN_Q``: packed queries (FlashAttention's varlen functions over a paged cache): sequence b
+    is rows ``CuSeqlensQ[b]:CuSeqlensQ[b + 1]`` of q and Out (batch strides 0), ``seqlen_q`` is
+    ``max_seqlen_q`` (it sized the grid), and ``CacheSeqlens`` holds cumulative key lengths. Rows
+    of a longer sequence past the grid get NaN (as in FlashAttention, max_seqlen_q must be at least
+    the longest sequence; the lengths live on the device, so the host cannot check it).
+
+    ``qk_scale`` is ``scale · log2 e``, or ``scale / softcap`` with SOFTCAP (then ``softcap_scale =
+    softcap · log2 e``); ALIBI: slopes ``AlibiSlopes[b · stride_ab + h · stride_ah]``; SINKS: one
+    per query head, ``Sinks[h · stride_sh]``.
+    """
+    batch = tl.program_id(0) // num_kv_heads
+    kv_head = tl.program_id(0) % num_kv_heads
+    split = tl.program_id(1)
+    tile = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_start = 0
+    if VARLEN_Q:
+        q_start, seqlen_q = sequence_span(CuSeqlensQ, batch, total_q)
+        if tile * BLOCK_M >= group_size * seqlen_q:  # past the sequence's rows (every chunk of the tile alike)
+            return
+
+    cached, end, cache_batch = _sequence(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, new_keys, capacity,
+                                         cache_batches, HAS_SEQLENS, HAS_BATCH_IDX, VARLEN_Q)
+    if HAS_LEFTPAD:
+        leftpad = tl.minimum(tl.maximum(tl.load(CacheLeftpad + batch), 0), end)
+    else:
+        leftpad = 0
+    seqlen_k = end - leftpad
+    lo = seqlen_k - seqlen_q - window_left
+    hi = seqlen_k - seqlen_q + window_right
+    new_start = cached - leftpad  # the first appended key
+
+    k_head = KCache + kv_head.to(tl.int64) * stride_kh
+    v_head = VCache + kv_head.to(tl.int64) * stride_vh
+    table_row = BlockTable
+    if PAGE_SIZE > 0:
+        table_row = BlockTable + batch.to(tl.int64) * stride_table
+    k_new = KNew
+    v_new = VNew
+    if APPEND:
+        k_new = KNew + batch.to(tl.int64) * stride_knb + kv_head.to(tl.int64) * stride_knh
+        v_new = VNew + batch.to(tl.int64) * stride_vnb + kv_head.to(tl.int64) * stride_vnh
+        if (split == 0) & (tile == 0):
+            _append_rows(k_new, v_new, k_head, v_head, stride_knt, stride_knd, stride_vnt, stride_vnd,
+                         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+                         table_row, cache_batch, cached, end, new_keys, cache_batches, offs_d,
+                         Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+                         HEAD_DIM, APPEND_ROWS, PAGE_SIZE, ROTARY_DIM, ROTARY_INTERLEAVED)
+
+    out, lse, rows, heads, in_range = _attend_tile(
+        tile, split * chunk, split * chunk + chunk, Q, q_start, seqlen_q, batch, kv_head, group_size,
+        stride_qb, stride_qm, stride_qh, stride_qd, k_head, v_head, k_new, v_new, table_row, cache_batch,
+        stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
+        stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+        leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, AlibiSlopes, stride_ab, stride_ah,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM,
+        ROTARY_INTERLEAVED, ROTARY_AT_ROWS, DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
     if SINKS and not SPLIT:  # split keys: after the merge
         out, lse = _with_sinks(out, lse, Sinks, heads, stride_sh)
-    index = (batch * num_kv_heads * group_size + heads).to(tl.int64) * seqlen_q + rows  # (b, h, i) flattened
-    o_rows = Out + batch.to(tl.int64) * stride_ob + rows.to(tl.int64) * stride_om + heads.to(tl.int64) * stride_oh
+    q_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
+    index = batch.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh + q_start + rows
+    o_rows = (Out + batch.to(tl.int64) * stride_ob + (q_start + rows).to(tl.int64) * stride_om
+              + heads.to(tl.int64) * stride_oh)
     if SPLIT:
         partial = index + split.to(tl.int64) * num_rows
         tl.store(PartialOut + partial[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
@@ -393,7 +440,7 @@ def kvcache_attention_kernel(
         # Every thread's stores come before the count (a CTA barrier, then a release at GPU scope);
         # the count's acquire comes before the merge's loads, which bypass the L1.
         tl.debug_barrier()
-        counter = Arrivals + tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+        counter = Arrivals + tl.program_id(0) * tl.num_programs(2) + tile
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(1) - 1:
             tl.store(counter, 0)
@@ -406,4 +453,21 @@ def kvcache_attention_kernel(
             tl.store(Lse + index, merged_lse, mask=in_range)
     else:
         tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty), mask=q_mask)
-        tl.store(Lse + index, tl.where(seen, lse * LN_2, float("-inf")), mask=in_range)
+        tl.store(Lse + index, lse * LN_2, mask=in_range)
+
+    if VARLEN_Q:
+        # A sequence longer than the grid covers (max_seqlen_q below its length): its rows past the
+        # grid are not computed, and come out NaN rather than whatever memory held.
+        if (tile == tl.num_programs(2) - 1) & (split == 0):
+            packed_rows = group_size * seqlen_q
+            for first in range(tile * BLOCK_M + BLOCK_M, packed_rows, BLOCK_M):
+                packed = first + tl.arange(0, BLOCK_M)
+                in_range = packed < packed_rows
+                rows = q_start + packed // group_size
+                heads = kv_head * group_size + packed % group_size
+                o_rows = Out + rows.to(tl.int64) * stride_om + heads.to(tl.int64) * stride_oh
+                nan = tl.full([BLOCK_M, BLOCK_D], float("nan"), tl.float32)
+                tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, nan.to(Out.dtype.element_ty),
+                         mask=in_range[:, None] & (offs_d[None, :] < HEAD_DIM))
+                tl.store(Lse + heads.to(tl.int64) * stride_lh + rows, tl.full([BLOCK_M], float("nan"), tl.float32),
+                         mask=in_range)

@@ -73,18 +73,23 @@ class KVCacheForward:
         self.chunk = -(-blocks // config.splits) * config.block_n
         self.splits = max(1, -(-p.capacity // self.chunk))
         packed_rows = p.group * p.seqlen_q
-        num_rows = p.batch * p.q_heads * p.seqlen_q
-        self.out_shape = (p.batch, p.seqlen_q, p.q_heads, p.head_dim)
-        self.lse_shape = (p.batch, p.q_heads, p.seqlen_q)
+        if p.varlen:  # packed queries: (total_q, Hq, D), LSE (Hq, total_q)
+            num_rows = p.q_heads * p.total_q
+            self.out_shape = (p.total_q, p.q_heads, p.head_dim)
+            self.lse_shape = (p.q_heads, p.total_q)
+        else:
+            num_rows = p.batch * p.q_heads * p.seqlen_q
+            self.out_shape = (p.batch, p.seqlen_q, p.q_heads, p.head_dim)
+            self.lse_shape = (p.batch, p.q_heads, p.seqlen_q)
         self.partial_out_shape = (self.splits, num_rows, p.head_dim)
         self.partial_lse_shape = (self.splits, num_rows)
         # No query rows: nothing to attend, and the append is skipped with them (a launch needs a program).
-        self.skip = p.device.type == "meta" or num_rows == 0
+        self.skip = p.device.type == "meta" or num_rows == 0 or p.batch == 0
         self.device_index = p.device.index if p.device.type == "cuda" else None
 
         block_d = padded_head_dim(p.head_dim)
         self.attend_launch = _Launch(
-            kvcache_attention_kernel, (p.batch * p.kv_heads, self.splits, -(-packed_rows // config.block_m)),
+            kvcache_attention_kernel, (p.batch * p.kv_heads, self.splits, max(1, -(-packed_rows // config.block_m))),
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  PAGE_SIZE=p.page_size, HAS_SEQLENS=p.seqlens_on_device, HAS_BATCH_IDX=p.has_batch_idx,
                  HAS_LEFTPAD=p.has_leftpad, APPEND=p.new_keys > 0,
@@ -92,7 +97,8 @@ class KVCacheForward:
                  ROTARY_DIM=p.rotary_dim, ROTARY_INTERLEAVED=p.rotary_interleaved, ROTARY_AT_ROWS=p.rotary_at_rows,
                  SPLIT=self.splits > 1, DOT_PRECISION=dot_precision(p.dtype),
                  FUSED_SCALE=p.scale > 0 and not p.softcap and not p.alibi, DOT_FP32=interpreter_upcasts(p.dtype),
-                 SOFTCAP=softcap_tanh(p) if p.softcap else NO_SOFTCAP, ALIBI=bool(p.alibi), SINKS=p.has_sinks),
+                 SOFTCAP=softcap_tanh(p) if p.softcap else NO_SOFTCAP, ALIBI=bool(p.alibi), SINKS=p.has_sinks,
+                 VARLEN_Q=p.varlen),
             config.num_warps, config.num_stages)
         # Split: one arrival counter per (batch and KV head, packed block), zeros between launches
         # (the last chunk to arrive resets its own); made by the first call. Shared by the calls of
@@ -105,17 +111,25 @@ class KVCacheForward:
         # qk_scale: log2 units, or the softcap's tanh argument (the softcap_scale multiplies the tanh)
         qk_scale = p.scale / p.softcap if p.softcap else p.scale * LOG2_E
         alibi_strides = (0, 0) if alibi_slopes is None else ((0,) + alibi_slopes.stride())[-2:]
+        if p.varlen:  # sequences are rows of the packed tensors: batch strides 0
+            q_strides = (0, *q.stride())
+            out_strides = (0, p.q_heads * p.head_dim, p.head_dim, 1)
+            lse_strides = (0, p.total_q)
+        else:
+            q_strides = q.stride()
+            out_strides = (p.seqlen_q * p.q_heads * p.head_dim, p.q_heads * p.head_dim, p.head_dim, 1)
+            lse_strides = (p.q_heads * p.seqlen_q, p.seqlen_q)
         self.attend_launch.fixed = (
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *_strides(k, 4), *_strides(v, 4),
-            p.seqlen_q * p.q_heads * p.head_dim, p.q_heads * p.head_dim, p.head_dim, 1,
-            block_table.stride(0) if block_table is not None else 0, *_strides(rotary_cos, 2),
-            *_strides(rotary_sin, 2), p.new_keys, p.capacity, p.cache_batches, p.rotary_rows, p.kv_heads, p.group,
-            p.seqlen_q, self.partial_lse_shape[1], self.chunk, p.window_left or 0, p.window_right or 0,
-            qk_scale, *alibi_strides, sinks.stride(0) if sinks is not None else 0, p.softcap * LOG2_E)
+            *q_strides, *k_cache.stride(), *v_cache.stride(), *_strides(k, 4), *_strides(v, 4),
+            *out_strides, *lse_strides, block_table.stride(0) if block_table is not None else 0,
+            *_strides(rotary_cos, 2), *_strides(rotary_sin, 2), p.new_keys, p.capacity, p.cache_batches,
+            p.rotary_rows, p.kv_heads, p.group, p.seqlen_q, p.total_q, self.partial_lse_shape[1], self.chunk,
+            p.window_left or 0, p.window_right or 0, qk_scale, *alibi_strides,
+            sinks.stride(0) if sinks is not None else 0, p.softcap * LOG2_E)
 
     def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
-                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes=None,
-                 sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes=None, sinks=None,
+                 cu_seqlens_q=None) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(self.out_shape, device=q.device, dtype=q.dtype)
         lse = torch.empty(self.lse_shape, device=q.device, dtype=torch.float32)
         if self.skip:
@@ -126,18 +140,18 @@ class KVCacheForward:
         if index is not None and index != torch.cuda.current_device():
             with torch.cuda.device(index):
                 self._launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
-                             cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, out, lse)
+                             cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, cu_seqlens_q, out, lse)
         else:
             self._launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
-                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, out, lse)
+                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, cu_seqlens_q, out, lse)
         return out, lse
 
     def _launch(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
-                cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, out, lse):
+                cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, cu_seqlens_q, out, lse):
         if self.splits == 1:
             self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, None, None, None, cache_seqlens,
                                cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, alibi_slopes,
-                               sinks, cache_seqlen)
+                               sinks, cu_seqlens_q, cache_seqlen)
             return
         if self.arrivals is None:
             self.arrivals = torch.zeros(self.attend_launch.grid[0] * self.attend_launch.grid[2], device=q.device,
@@ -147,4 +161,4 @@ class KVCacheForward:
         # One launch: the last chunk of each tile merges the chunks (fmha.backends.triton.kvcache).
         self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, partial_out, partial_lse, self.arrivals,
                            cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
-                           alibi_slopes, sinks, cache_seqlen)
+                           alibi_slopes, sinks, cu_seqlens_q, cache_seqlen)
