@@ -6,7 +6,9 @@ transformers): the inference issue's checks.
 * greedy generation of 64 tokens equals SDPA's token for token on a float32 model (DynamicCache
   and StaticCache, left padding);
 * generation with a StaticCache under torch.compile (transformers' automatic compile of the decode
-  step) runs through fmha.
+  step) runs through fmha;
+* sliding-window models (Mistral, Gemma 2 with its softcap, gpt-oss with its sinks) decode 64
+  tokens past the window as their eager attention does, with no SDPA fallback.
 """
 
 import copy
@@ -109,3 +111,43 @@ def test_static_cache_generation_under_torch_compile_gpu(monkeypatch):
     # Inductor's fused float32 arithmetic may round differently; the first tokens must agree.
     assert torch.equal(compiled[:, :24 + 16], eager[:, :24 + 16])
     print(f"compiled == eager on {(compiled == eager).all(0).sum().item() - 24} of 32 new tokens")
+
+
+def small_sliding_model(kind):
+    """Window 32 (shorter than the prompts), GQA 4, D 64: Mistral, Gemma 2 (softcap 50, sliding
+    and full layers) or gpt-oss (sinks, sliding and full layers)."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, pad_token_id=0, sliding_window=32)
+    if kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
+    elif kind == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape, attn_logit_softcapping=50.0,
+                                                                         final_logit_softcapping=None))
+    else:
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**shape, num_local_experts=4,
+                                                                         num_experts_per_tok=2))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+    return model.to(device="cuda", dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_sliding_window_models_greedy_64_tokens_equal_eager_float32_gpu(monkeypatch, kind, cache):
+    """Decoding 64 tokens past a 32-key window, left-padded prompts; no call falls back to SDPA."""
+    monkeypatch.setattr(hf, "_warned", set())
+    model = small_sliding_model(kind)
+    ids, mask = prompts(3, 40, (0, 9, 30))
+    sequences = {}
+    for implementation in ("eager", "fmha"):
+        model.set_attn_implementation(implementation)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # a fallback to SDPA would warn
+            warnings.filterwarnings("ignore", message="(?!fmha)")
+            sequences[implementation] = model.generate(ids, attention_mask=mask, max_new_tokens=64,
+                                                       min_new_tokens=64, do_sample=False,
+                                                       cache_implementation=cache, disable_compile=True)
+    assert sequences["fmha"].shape[1] == 40 + 64
+    assert torch.equal(sequences["fmha"], sequences["eager"])

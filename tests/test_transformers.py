@@ -211,3 +211,70 @@ def test_softcap_and_sinks_raise_where_sdpa_would_run():
         hf.fmha_attention_forward(torch.nn.Module(), q, q, q, holes, softcap=30.0)
     with pytest.raises(NotImplementedError, match="sinks"):
         hf.fmha_attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1, s_aux=torch.zeros(2))
+
+
+def sliding_model(kind: str):
+    """A tiny model with sliding-window layers (window 5, shorter than the prompt): Mistral (every
+    layer), Gemma 2 (sliding and full layers, softcap 50) or gpt-oss (sliding and full layers, sinks)."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, sliding_window=5)
+    if kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
+    elif kind == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape, attn_logit_softcapping=50.0,
+                                                                         final_logit_softcapping=None))
+    else:
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**shape, num_local_experts=2,
+                                                                         num_experts_per_tok=1))
+        with torch.no_grad():  # sinks that matter (the model starts them at zero)
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+    return model.float().eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("padding", [None, "left"])
+def test_sliding_window_models_decode_like_eager(calls, kind, cache, padding):
+    """Prefill and decode past the window over a DynamicCache (sliding layers keep the last
+    window's keys) and a StaticCache (a rolling window buffer), every call in fmha."""
+    model = sliding_model(kind)
+    ids, mask = inputs(padding)
+    outputs = {}
+    for implementation in ("eager", "fmha"):
+        model.set_attn_implementation(implementation)
+        outputs[implementation] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                                 cache_implementation=cache, return_dict_in_generate=True,
+                                                 output_logits=True)
+    assert torch.equal(outputs["fmha"].sequences, outputs["eager"].sequences)
+    for got, expected in zip(outputs["fmha"].logits, outputs["eager"].logits):
+        torch.testing.assert_close(got, expected, atol=5e-5, rtol=0)
+    assert calls["_sdpa"] == 0 and sum(calls.values()) == 6 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+@pytest.mark.parametrize("padding", [None, "right"])
+def test_sliding_window_prefill_and_gradients_like_eager(calls, kind, padding):
+    model = sliding_model(kind)
+    ids, mask = inputs(padding)
+    grads = {}
+    for implementation in ("eager", "fmha"):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        out = model(ids, attention_mask=mask).logits
+        out[mask.bool()].square().sum().backward()
+        grads[implementation] = (out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    real = mask.bool()
+    torch.testing.assert_close(grads["fmha"][0][real], grads["eager"][0][real], atol=5e-5, rtol=0)
+    for got, expected in zip(grads["fmha"][1], grads["eager"][1]):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert calls["_sdpa"] == 0
+
+
+def test_sliding_window_of_recognises_only_transformers_window_masks():
+    from transformers.masking_utils import and_masks, chunked_overlay, sliding_window_causal_mask_function
+    assert hf.sliding_window_of(sliding_window_causal_mask_function(7)) == 7
+    assert hf.sliding_window_of(hf.causal_mask_function) is None
+    assert hf.sliding_window_of(and_masks(hf.causal_mask_function, hf.sliding_window_overlay(7))) is None
+    assert hf.sliding_window_of(and_masks(chunked_overlay(4, torch.zeros(1)), hf.causal_mask_function)) is None

@@ -24,14 +24,18 @@ What the attention runs, by the mask it receives:
   - Without a cache (the queries are the keys), with right padding or with gradients: the runs
     packed into :func:`fmha.varlen_attention` (differentiable; padded rows get zeros).
 * Any other mask (a 4-D bool or float mask: holes in the padding, right padding with a cache,
-  sliding windows, chunked or packed sequences, mask overlays, a user's custom mask): torch's
-  SDPA with that mask, and a warning naming the reason once. So are calls fmha cannot run
-  (attention dropout, gradients through a padded cache).
+  chunked or packed sequences, mask overlays, a user's custom mask): torch's SDPA with that mask,
+  and a warning naming the reason once. So are calls fmha cannot run (attention dropout,
+  gradients through a padded cache).
+
+Sliding-window layers (Mistral, Gemma 2, gpt-oss) take the same paths: their causal mask with a
+window becomes the same None or lengths mask, counted from the first key a sliding-window cache
+still holds, and the window is the model's ``sliding_window`` argument, a left window of
+``sliding_window - 1`` keys (as transformers' FlashAttention integration reads it).
 
 Gemma 2's ``softcap`` and gpt-oss's attention sinks (``s_aux``, one logit per query head) go to
 fmha's kernels on every path above; where the call would fall back to SDPA, which cannot run
-them, it raises ``NotImplementedError`` instead. Both models have sliding-window layers, whose
-masks take that fallback: they run with fmha only where every layer's mask is plain causal.
+them, it raises ``NotImplementedError`` instead.
 
 The mask function returns a lengths mask only for transformers' plain causal mask whose padding
 it has checked, a host sync per forward pass (transformers' own SDPA masks sync there too).
@@ -49,9 +53,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import (
     AttentionMaskInterface,
+    and_masks,
     causal_mask_function,
     prepare_padding_mask,
     sdpa_mask,
+    sliding_window_overlay,
 )
 from transformers.utils.import_utils import is_tracing
 
@@ -92,6 +98,33 @@ def _bounds(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return first, stop, (mask[:, 0, 0, 2].contiguous() if mask.shape[3] == 3 else stop)
 
 
+# transformers' sliding-window causal mask function is and_masks(sliding_window_overlay(w),
+# causal_mask_function): closures of these two code objects.
+_AND_MASKS_CODE = and_masks(causal_mask_function).__code__
+_SLIDING_OVERLAY_CODE = sliding_window_overlay(1).__code__
+
+
+def _closure_value(function, name: str):
+    code = getattr(function, "__code__", None)
+    if code is None or name not in code.co_freevars:
+        return None
+    return function.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def sliding_window_of(mask_function) -> int | None:
+    """The window w of transformers' sliding-window causal mask function (query q sees keys
+    q - w < k <= q), or None for any other function."""
+    if getattr(mask_function, "__code__", None) is not _AND_MASKS_CODE:
+        return None
+    parts = _closure_value(mask_function, "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return None
+    if getattr(parts[0], "__code__", None) is not _SLIDING_OVERLAY_CODE:
+        return None
+    window = _closure_value(parts[0], "sliding_window")
+    return window if isinstance(window, int) and not isinstance(window, bool) and window >= 1 else None
+
+
 def fmha_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
               mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None, device="cpu",
               **kwargs):
@@ -100,20 +133,26 @@ def fmha_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
 
     A lengths mask needs each sequence's real keys to be one run. It ends where the queries end
     (left padding), except without a cache (the queries are the keys), where it may end earlier
-    (right padding: the attention then packs the sequences, as FlashAttention's varlen)."""
+    (right padding: the attention then packs the sequences, as FlashAttention's varlen).
+
+    A sliding-window causal mask gives the same masks: the window itself reaches the attention as
+    the model's ``sliding_window`` argument (as it reaches FlashAttention's integration), and
+    mask positions count from the first key the cache still holds (``kv_offset``)."""
     reason = None
-    if mask_function is not causal_mask_function:
-        reason = "the mask is not plain causal (sliding window, chunks, packed sequences or a mask overlay)"
-    elif not isinstance(kv_offset, int) or kv_offset != 0:
-        reason = "the keys start past position 0 (a sliding-window cache)"
+    sliding = mask_function is not causal_mask_function and sliding_window_of(mask_function) is not None
+    if mask_function is not causal_mask_function and not sliding:
+        reason = "the mask is not plain or sliding-window causal (chunks, packed sequences or a mask overlay)"
+    elif not isinstance(kv_offset, int) or kv_offset < 0 or (kv_offset and not sliding):
+        reason = "the keys start past position 0 without a sliding window"
     elif attention_mask is not None and is_tracing(attention_mask):
         reason = "a padding mask under torch.compile or tracing cannot be checked"
     if reason is not None:
         return _sdpa_mask(reason, batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                           attention_mask, device, kwargs)
 
-    # The queries are key positions [end - q_length, end); a StaticCache's slots past the end are empty.
-    end = q_offset + q_length
+    # The queries are key positions [end - q_length, end) of the keys the layer holds, the first
+    # of which is position kv_offset; a StaticCache's slots past the end are empty.
+    end = q_offset + q_length - kv_offset
     if attention_mask is None:
         if isinstance(end, int) and end == kv_length:
             return None
@@ -122,7 +161,8 @@ def fmha_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_off
 
     positions = torch.arange(kv_length, device=device)
     inside = positions < end
-    keys = prepare_padding_mask(attention_mask, kv_length, 0)[:, :kv_length].to(device=device, dtype=torch.bool)
+    keys = prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + kv_length]
+    keys = keys.to(device=device, dtype=torch.bool)
     keys = keys & inside
     count = keys.sum(-1)
     first = torch.where(count > 0, keys.int().argmax(-1), end)  # argmax: the first True
