@@ -385,14 +385,14 @@ def kvcache_attention_kernel(
     split = tl.program_id(1)
     tile = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
+    cached, end, cache_batch = _sequence(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, new_keys, capacity,
+                                         cache_batches, HAS_SEQLENS, HAS_BATCH_IDX, VARLEN_Q)
     q_start = 0
     if VARLEN_Q:
         q_start, seqlen_q = sequence_span(CuSeqlensQ, batch, total_q)
-        if tile * BLOCK_M >= group_size * seqlen_q:  # past the sequence's rows (every chunk of the tile alike)
-            return
-
-    cached, end, cache_batch = _sequence(CacheSeqlens, CacheBatchIdx, batch, cache_seqlen, new_keys, capacity,
-                                         cache_batches, HAS_SEQLENS, HAS_BATCH_IDX, VARLEN_Q)
+        # A tile past the sequence's rows (every chunk of it alike) attends no key and writes no
+        # row. Not a branch: an early return would hold the key lengths' loads back behind these.
+        end = tl.where(tile * BLOCK_M >= group_size * seqlen_q, 0, end)
     if HAS_LEFTPAD:
         leftpad = tl.minimum(tl.maximum(tl.load(CacheLeftpad + batch), 0), end)
     else:
