@@ -228,3 +228,16 @@ def test_paged_varlen_cuda_graph_replay_equals_eager_gpu():
     eager = fmha.flash_attn_varlen_func(**case, causal=True)
     graph.replay()
     assert torch.equal(captured, eager)
+
+
+def test_paged_varlen_torch_compile_fullgraph_gpu():
+    case = random_paged_varlen(*PAGED_VARLEN_LENGTHS["chunked"], 16, 4, 128, 16, dtype=torch.bfloat16, device="cuda")
+
+    def layer(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table):
+        out = fmha.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          causal=True, block_table=block_table)
+        return out * 2
+
+    expected = layer(**case)
+    got = torch.compile(layer, fullgraph=True)(**case)
+    assert torch.equal(got, expected)
