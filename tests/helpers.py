@@ -49,3 +49,26 @@ def build_report(script: str, variants) -> dict:
 
 # :func:`spills_in_product_loops` as source, for the build scripts' child processes.
 SASS_LOOP_SPILLS = inspect.getsource(spills_in_product_loops)
+
+
+def sliding_window_model(kind: str, **shape):
+    """A float32 model with sliding-window layers, random weights (transformers imported here, so
+    that files without it still import this module): Mistral (every layer sliding), Gemma 2 (sliding
+    and full layers, softcap 50) or gpt-oss (sliding and full layers, sinks drawn from a normal, as
+    the model starts them at zero). ``shape``: the config's sizes, ``sliding_window`` included."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
+    elif kind == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape, attn_logit_softcapping=50.0,
+                                                                         final_logit_softcapping=None))
+    else:
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**shape, num_local_experts=4,
+                                                                         num_experts_per_tok=2))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+    return model.float().eval()

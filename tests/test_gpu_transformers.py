@@ -22,6 +22,8 @@ transformers = pytest.importorskip("transformers")
 import fmha.integrations.transformers as hf  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from .helpers import sliding_window_model  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 VOCAB = 2048
@@ -114,23 +116,10 @@ def test_static_cache_generation_under_torch_compile_gpu(monkeypatch):
 
 
 def small_sliding_model(kind):
-    """Window 32 (shorter than the prompts), GQA 4, D 64: Mistral, Gemma 2 (softcap 50, sliding
-    and full layers) or gpt-oss (sinks, sliding and full layers)."""
-    torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, pad_token_id=0, sliding_window=32)
-    if kind == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
-    elif kind == "gemma2":
-        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape, attn_logit_softcapping=50.0,
-                                                                         final_logit_softcapping=None))
-    else:
-        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**shape, num_local_experts=4,
-                                                                         num_experts_per_tok=2))
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_()
-    return model.to(device="cuda", dtype=torch.float32).eval()
+    """Window 32 (shorter than the prompts), GQA 4, D 64, on the GPU in float32."""
+    return sliding_window_model(kind, vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                max_position_embeddings=1024, pad_token_id=0, sliding_window=32).cuda()
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2", "gpt_oss"])

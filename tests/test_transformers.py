@@ -14,6 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 import fmha.integrations.transformers as hf  # noqa: E402
 
+from .helpers import sliding_window_model  # noqa: E402
+
 pytestmark = pytest.mark.interpreter
 
 PROMPT = 12
@@ -214,23 +216,10 @@ def test_softcap_and_sinks_raise_where_sdpa_would_run():
 
 
 def sliding_model(kind: str):
-    """A tiny model with sliding-window layers (window 5, shorter than the prompt): Mistral (every
-    layer), Gemma 2 (sliding and full layers, softcap 50) or gpt-oss (sliding and full layers, sinks)."""
-    torch.manual_seed(0)
-    shape = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0, sliding_window=5)
-    if kind == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
-    elif kind == "gemma2":
-        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape, attn_logit_softcapping=50.0,
-                                                                         final_logit_softcapping=None))
-    else:
-        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**shape, num_local_experts=2,
-                                                                         num_experts_per_tok=1))
-        with torch.no_grad():  # sinks that matter (the model starts them at zero)
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_()
-    return model.float().eval()
+    """A tiny model with sliding-window layers, window 5 (shorter than the prompt)."""
+    return sliding_window_model(kind, vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                                pad_token_id=0, sliding_window=5)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2", "gpt_oss"])

@@ -92,11 +92,13 @@ def _flash_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def _paged_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, dropout_p, softmax_scale, causal,
                   window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table):
-    check_flag(fn, "deterministic", deterministic)
-    check_flag(fn, "return_attn_probs", return_attn_probs)
-    if check_dropout(fn, dropout_p) > 0.0:
-        raise NotImplementedError(f"{fn}: dropout_p > 0 with block_table: attention over a paged cache is "
-                                  "forward only (inference), as in FlashAttention")
+    if deterministic.__class__ is not bool or return_attn_probs.__class__ is not bool:  # the checks say why
+        check_flag(fn, "deterministic", deterministic)
+        check_flag(fn, "return_attn_probs", return_attn_probs)
+    if dropout_p.__class__ is not float or dropout_p != 0.0:
+        if check_dropout(fn, dropout_p) > 0.0:
+            raise NotImplementedError(f"{fn}: dropout_p > 0 with block_table: attention over a paged cache is "
+                                      "forward only (inference), as in FlashAttention")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
         raise NotImplementedError(f"{fn}: gradients through block_table (a paged cache) are not supported, as in "
                                   "FlashAttention; call it under torch.no_grad() or on tensors that do not "

@@ -101,8 +101,5 @@ def paged_varlen_attention(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, 
         return kvcache_ops.paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                   block_table, softmax_scale, causal, *window_size, float(softcap),
                                                   alibi_slopes)
-    forward = kvcache_ops.prepared_paged_varlen(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                block_table, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes)
-    return forward(q, k_cache, v_cache, None, None, None, None, cu_seqlens_k, 0, None, None, block_table, alibi_slopes,
-                   None, cu_seqlens_q)
+    return kvcache_ops.run_paged_varlen(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                                        softmax_scale, causal, window_size, softcap, alibi_slopes)

@@ -123,13 +123,21 @@ kvcache_append_attention = torch.library.custom_op(
 kvcache_append_attention.register_fake(_fake)
 
 
-def _run_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale,
-                      causal, window_left, window_right, softcap, alibi_slopes):
-    forward = prepared_paged_varlen("fmha.flash_attn_varlen_func", q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, block_table, softmax_scale, causal, (window_left, window_right),
-                                    softcap, alibi_slopes)
+def run_paged_varlen(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale,
+                     causal, window_size, softcap, alibi_slopes) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a ``flash_attn_varlen_func`` call over a paged cache: its prepared launch,
+    with cu_seqlens_k as the key lengths."""
+    forward = prepared_paged_varlen(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                                    softmax_scale, causal, window_size, softcap, alibi_slopes)
     return forward(q, k_cache, v_cache, None, None, None, None, cu_seqlens_k, 0, None, None, block_table, alibi_slopes,
                    None, cu_seqlens_q)
+
+
+def _run_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale,
+                      causal, window_left, window_right, softcap, alibi_slopes):
+    return run_paged_varlen("fmha.flash_attn_varlen_func", q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+                            max_seqlen_q, block_table, softmax_scale, causal, (window_left, window_right), softcap,
+                            alibi_slopes)
 
 
 def _fake_paged_varlen(q, *args):

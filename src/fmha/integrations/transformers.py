@@ -37,8 +37,9 @@ Gemma 2's ``softcap`` and gpt-oss's attention sinks (``s_aux``, one logit per qu
 fmha's kernels on every path above; where the call would fall back to SDPA, which cannot run
 them, it raises ``NotImplementedError`` instead.
 
-The mask function returns a lengths mask only for transformers' plain causal mask whose padding
-it has checked, a host sync per forward pass (transformers' own SDPA masks sync there too).
+The mask function returns a lengths mask only for transformers' plain or sliding-window causal
+mask whose padding it has checked, a host sync per forward pass (transformers' own SDPA masks
+sync there too).
 Under ``torch.compile`` or tracing a padding mask cannot be checked, so it returns transformers'
 SDPA mask (the fallback) instead; ``generate`` with a StaticCache builds its masks outside the
 compiled forward, so compiled decode steps still run fmha.
