@@ -2,7 +2,8 @@
 inference issue's decode cases, SDPA flash and cuDNN as peers where they can run the same problem,
 a sweep of chunk counts and tiles, and host time per call.
 
-    PYTHONPATH=src python benchmarks/kvcache.py [out.json] [--no-host]   (--no-host: skip host time per call)
+    PYTHONPATH=src python benchmarks/kvcache.py [out.json] [--no-host] [--small-sweep]
+    (--no-host: skip host time per call; --small-sweep: only the small cases, over more tiles and chunks)
 
 Cases (bf16, Hq/Hkv = 32/8, D = 128, one query per sequence):
 * dense: B32, Sk 8192 (copy floor ~358 us at 3.0 TB/s);
@@ -271,6 +272,12 @@ def main():
         ("small B8 Sk2048", 8, 2048, [2048] * 8, "contiguous", 4, {"tiles": small_tiles, "splits": [2, 4]},
          True),
     ]
+    if "--small-sweep" in sys.argv:  # only the small cases, over more tiles and chunk counts
+        wide = [(64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 3), (32, 4, 4), (32, 4, 2), (128, 4, 3)]
+        cases = [("small B1 Sk4096", 1, 4096, [4096], "contiguous", 16, {"tiles": wide, "splits": [8, 12, 16, 24, 32]},
+                  False),
+                 ("small B8 Sk2048", 8, 2048, [2048] * 8, "contiguous", 4, {"tiles": wide, "splits": [2, 3, 4, 8]},
+                  False)]
     rows = []
     for label, batch, capacity, lengths, layout, copies, sweep, peers in cases:
         try:
@@ -295,11 +302,12 @@ def main():
         if row.get("case", "").startswith("small") and row.get("sweep"):
             ranked = sorted((e for e in row["sweep"] if "us" in e), key=lambda e: e["us"])
             print(f"{row['case']} sweep: " + ", ".join(
-                f"n{e['block_n']}w{e['num_warps']}s{e['num_stages']}x{e['splits']} {e['us']:.1f}" for e in ranked[:8]),
+                f"n{e['block_n']}w{e['num_warps']}s{e['num_stages']}x{e['splits']} {e['us']:.1f}" for e in ranked[:12]),
                 flush=True)
-    step = decode_step_us(copy_rate)
+    small_only = "--small-sweep" in sys.argv
+    step = {} if small_only else decode_step_us(copy_rate)
     print(f"decode step with append: {step}", flush=True)
-    hosts = {} if "--no-host" in sys.argv else host_times()
+    hosts = {} if "--no-host" in sys.argv or small_only else host_times()
     for name, result in hosts.items():
         print(f"host {name:<70} min {result['min_us']:6.1f} median {result['median_us']:6.1f} us", flush=True)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

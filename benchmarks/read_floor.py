@@ -8,7 +8,10 @@ CUDA graph over rotating copies of the inputs as `benchmarks/kvcache.py` replays
 50 MB L2 does not serve them). If the best read is already past the bound, no attention kernel
 meets it.
 
-    PYTHONPATH=src python benchmarks/read_floor.py out.json
+    PYTHONPATH=src python benchmarks/read_floor.py out.json [--heads]
+
+``--heads`` reads the same bytes in the decode's pattern instead: a program per (KV head, chunk of
+keys), each key's row of one head (256 bytes at D = 128) 2 KB from the next.
 """
 
 import json
@@ -40,8 +43,66 @@ def read_sum_kernel(Source, Sums, numel, BLOCK: tl.constexpr):
     tl.store(Sums + tl.program_id(0), tl.sum(total, 0))
 
 
+@triton.jit
+def read_heads_kernel(K, V, Sums, seqlen, chunk, row_stride, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The decode's access pattern: program (sequence and KV head, chunk) reads its head's keys
+    [chunk_start, chunk_start + chunk) of K and V, rows of HEAD_DIM elements ``row_stride`` apart
+    (a (B, S, Hkv, D) cache), and sums them."""
+    head_base = tl.program_id(0).to(tl.int64) * HEAD_DIM  # batch and head folded: rows of all heads interleave
+    start = tl.program_id(1) * chunk
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    total = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for first in range(start, tl.minimum(start + chunk, seqlen), BLOCK_N):
+        keys = first + offs_n
+        offsets = head_base + keys.to(tl.int64)[:, None] * row_stride + offs_d[None, :]
+        mask = (keys < seqlen)[:, None]
+        total += tl.load(K + offsets, mask=mask, other=0.0).to(tl.float32)
+        total += tl.load(V + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Sums + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(total, 1), 0))
+
+
+def heads_pattern(copy_rate, launch):
+    """read_heads_kernel over B1 Sk4096 and B8 Sk2048 (Hkv 8, D 128): chunk counts, key blocks, warps, stages."""
+    rows = []
+    for batch, seqlen in ((1, 4096), (8, 2048)):
+        kv_bytes = 2 * batch * seqlen * KV_HEADS * HEAD_DIM * 2
+        copies = max(2, -(-3 * L2_BYTES // kv_bytes))
+        caches = [tuple(torch.randn(batch * seqlen * KV_HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2)) for _ in range(copies)]
+        floor_and_launch = kv_bytes / copy_rate / 1e6 + launch
+        for chunks in (2, 4, 8, 16, 32, 64):
+            if batch * KV_HEADS * chunks > 4096:
+                continue
+            chunk = -(-seqlen // chunks)
+            for block_n, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 3)):
+                if chunk < block_n:
+                    continue
+                sums = torch.empty(batch * KV_HEADS * chunks, device="cuda", dtype=torch.float32)
+                # (B, S, Hkv, D): batch b's head h starts at (b * S * Hkv + h) * D; fold b into the head
+                # index only for B1, where it is exact; B8 reads each head's rows of every sequence
+                # as one longer sequence (the same bytes and pattern).
+                calls = [lambda k=k, v=v: read_heads_kernel[(KV_HEADS, chunks * batch)](
+                    k, v, sums, seqlen * batch, chunk, KV_HEADS * HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=block_n,
+                    num_warps=warps, num_stages=stages) for k, v in caches]
+                for call in calls:
+                    call()
+                us = gpu_us(rotating(calls))
+                rows.append({"pattern": "heads", "batch": batch, "seqlen": seqlen, "programs": KV_HEADS * chunks * batch,
+                             "block_n": block_n, "warps": warps, "stages": stages, "us": us,
+                             "vs_floor_and_launch": us / floor_and_launch})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main():
     out_path = sys.argv[1]
+    if "--heads" in sys.argv:
+        copy_rate, launch = copy_tbps(), launch_us()
+        Path(out_path).write_text(json.dumps({"environment": environment(), "copy_tbps": copy_rate,
+                                              "launch_us": launch, "rows": heads_pattern(copy_rate, launch)},
+                                             indent=1))
+        return
     copy_rate = copy_tbps()
     launch = launch_us()
     rows = []

@@ -262,11 +262,12 @@ def _attend_tile(
     PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ONE_RANGE: tl.constexpr,
 ):
     """Packed block ``tile`` of the sequence (BLOCK_M rows of the group's query heads) over its keys
     in [chunk_start, chunk_end): ``(out, lse, rows, heads, in_range)``, out normalised over those
-    keys and lse in log2 units (-inf and zeros for rows that saw none)."""
+    keys and lse in log2 units (-inf and zeros for rows that saw none). ``ONE_RANGE``: every block
+    masked, in one loop, instead of the masked edges and the whole blocks apart."""
     packed_rows = group_size * seqlen_q
     packed = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     in_range = packed < packed_rows
@@ -301,31 +302,39 @@ def _attend_tile(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    # The tile's three ranges (masked, whole blocks, masked), each cut to the chunk.
+    # The tile's three ranges (masked, whole blocks, masked), each cut to the chunk. ONE_RANGE (decode
+    # tiles): the first range takes every key; the blocks' masks cost little beside the memory
+    # stream, while each pipelined loop is a prologue and an epilogue of code that a short call
+    # fetches and runs.
+    if ONE_RANGE:
+        first_end = kv_end
+    else:
+        first_end = full_start
     acc, row_sum, row_max = _attend_cache_blocks(
         acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
         stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
-        rows, offs_d, tl.maximum(kv_start, chunk_start), tl.minimum(full_start, chunk_end),
+        rows, offs_d, tl.maximum(kv_start, chunk_start), tl.minimum(first_end, chunk_end),
         leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
         DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
-    acc, row_sum, row_max = _attend_cache_blocks(
-        acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
-        stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
-        stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
-        rows, offs_d, tl.maximum(full_start, chunk_start), tl.minimum(full_end, chunk_end),
-        leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, False, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-        DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
-    acc, row_sum, row_max = _attend_cache_blocks(
-        acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
-        stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
-        stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
-        rows, offs_d, tl.maximum(full_end, chunk_start), tl.minimum(kv_end, chunk_end),
-        leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-        DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
+    if not ONE_RANGE:
+        acc, row_sum, row_max = _attend_cache_blocks(
+            acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
+            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
+            stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+            rows, offs_d, tl.maximum(full_start, chunk_start), tl.minimum(full_end, chunk_end),
+            leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, False, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
+            DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
+        acc, row_sum, row_max = _attend_cache_blocks(
+            acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
+            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
+            stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+            rows, offs_d, tl.maximum(full_end, chunk_start), tl.minimum(kv_end, chunk_end),
+            leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
+            DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
 
     # Rows that saw no key: output 0 and LSE -inf, never 0/0.
     seen = row_sum > 0.0
@@ -355,6 +364,7 @@ def kvcache_attention_kernel(
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_ROWS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, VARLEN_Q: tl.constexpr,
+    ONE_RANGE: tl.constexpr,
 ):
     """Program (batch * KV head, chunk, packed block) over keys [chunk * split, chunk * (split + 1)).
 
@@ -426,7 +436,7 @@ def kvcache_attention_kernel(
         stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
         leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, AlibiSlopes, stride_ab, stride_ah,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM,
-        ROTARY_INTERLEAVED, ROTARY_AT_ROWS, DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
+        ROTARY_INTERLEAVED, ROTARY_AT_ROWS, DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, ONE_RANGE)
     if SINKS and not SPLIT:  # split keys: after the merge
         out, lse = _with_sinks(out, lse, Sinks, heads, stride_sh)
     q_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
