@@ -181,7 +181,7 @@ def sweep_configs(sets, kv_bytes, sweep) -> list:
 
                 def forced(params, multiprocessors, tiles=(block_n, num_warps, num_stages), splits=splits):
                     chosen = kvcache_config(params, multiprocessors)
-                    return KVCacheConfig(chosen.block_m, tiles[0], tiles[1], tiles[2], splits)
+                    return KVCacheConfig(chosen.block_m, tiles[0], tiles[1], tiles[2], splits, chosen.one_range)
                 kvcache_ops.kvcache_config, original = forced, kvcache_ops.kvcache_config
                 kvcache_ops.forget()
                 try:

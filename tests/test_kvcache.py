@@ -1,6 +1,8 @@
 """flash_attn_with_kvcache on the CPU through the interpreter, against the float64 reference
 (fmha.reference.kvcache_sequences: what each sequence attends, spelled out)."""
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -97,6 +99,22 @@ def test_the_gpus_key_blocks(monkeypatch, block_n):
     kvcache_ops.forget()
     case = kvcache_case(seqlen_q=3, new_keys=3, capacity=200, page_size=24, rotary_dim=16, lengths=[0, 90, 197])
     check(case, causal=True)
+    kvcache_ops.forget()
+
+
+@pytest.mark.parametrize("one_range", [False, True], ids=["three_ranges", "one_range"])
+@pytest.mark.parametrize("page_size", [None, 16], ids=lambda size: "contiguous" if size is None else f"page{size}")
+def test_one_masked_key_loop(monkeypatch, one_range, page_size):
+    """Small GPU grids walk each tile's keys in one masked loop, larger ones mask only the edges
+    around whole blocks; both are exact over windows, causal rows, empty sequences and chunks."""
+    chosen = kvcache_ops.kvcache_config
+    monkeypatch.setattr(kvcache_ops, "kvcache_config", lambda params, multiprocessors: dataclasses.replace(
+        chosen(params, multiprocessors), splits=3, one_range=one_range))
+    kvcache_ops.forget()
+    case = kvcache_case(seqlen_q=2, new_keys=0, capacity=120, page_size=page_size, lengths=[0, 57, 117],
+                        dtype=torch.float32)
+    check(case)
+    check(case, causal=True, window_size=(20, 0))
     kvcache_ops.forget()
 
 

@@ -91,13 +91,8 @@ class KVCacheConfig:
     num_warps: int
     num_stages: int
     splits: int
-
-    @property
-    def one_range(self) -> bool:
-        """Decode tiles walk their keys in one masked loop (H100: B1 and B8 decode 0.7 us faster, the
-        empty call 6.7 -> 6.0 us); prefill tiles, compute-bound, keep the unmasked middle apart, and
-        so do calls that append (the launcher's rule), whose masked blocks read the new rows too."""
-        return self.block_m < 128
+    # Walk each tile's keys in one masked loop instead of masked edges around unmasked blocks.
+    one_range: bool = False
 
     def text(self) -> str:
         return (f"KV cache: {self.splits} chunks, {self.block_m} packed rows x {self.block_n} keys, "
@@ -120,6 +115,8 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     KVCACHE_MIN_CHUNK_BLOCKS key blocks. Chunks past a sequence's length cost an empty program.
     ``params.num_splits`` > 0 asks for that many chunks. A grid under two programs per
     multiprocessor pipelines three key blocks deep instead of two (H100: B1 and B8 decode 5-15% faster).
+    Calls that append keep three key ranges whatever ``one_range`` says (the launcher's rule): one
+    masked loop would read every block through the new rows' path.
     """
     block_d = padded_head_dim(params.head_dim)
     packed_rows = params.group * params.seqlen_q
@@ -143,8 +140,14 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
         splits = max(-(-params.capacity // KVCACHE_CHUNK_KEYS),
                      min(multiprocessors // max(programs, 1), key_blocks // KVCACHE_MIN_CHUNK_BLOCKS))
     splits = max(1, min(splits, key_blocks))
-    num_stages = 3 if programs * splits < 2 * multiprocessors or block_m == 128 else 2
-    return KVCacheConfig(block_m, block_n, num_warps, num_stages, splits)
+    small_grid = programs * splits < 2 * multiprocessors
+    num_stages = 3 if small_grid or block_m == 128 else 2
+    # Small decode grids walk their keys in one masked loop: there a call's fixed path (code run
+    # once per program) is what the bound waits for (H100 B1 Sk4096 14.3 -> 13.0 us, B8 Sk2048
+    # 28.9 -> 28.3), while the masks cost paged caches about 1% where bandwidth rules (ragged B32,
+    # pages of 16: 2,780 -> 2,750 GB/s). Prefill tiles, compute-bound, keep the unmasked middle apart.
+    one_range = small_grid and block_m < 128
+    return KVCacheConfig(block_m, block_n, num_warps, num_stages, splits, one_range)
 
 
 class BackwardConfig(ForwardConfig):
