@@ -115,8 +115,8 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     KVCACHE_MIN_CHUNK_BLOCKS key blocks. Chunks past a sequence's length cost an empty program.
     ``params.num_splits`` > 0 asks for that many chunks. A grid under two programs per
     multiprocessor pipelines three key blocks deep instead of two (H100: B1 and B8 decode 5-15% faster).
-    Calls that append keep three key ranges whatever ``one_range`` says (the launcher's rule): one
-    masked loop would read every block through the new rows' path.
+    Small grids of decode tiles that do not append walk each tile's keys in one masked loop
+    (``one_range``; docs/perf.md, session 19).
     """
     block_d = padded_head_dim(params.head_dim)
     packed_rows = params.group * params.seqlen_q
@@ -142,11 +142,10 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     splits = max(1, min(splits, key_blocks))
     small_grid = programs * splits < 2 * multiprocessors
     num_stages = 3 if small_grid or block_m == 128 else 2
-    # Small decode grids walk their keys in one masked loop: there a call's fixed path (code run
-    # once per program) is what the bound waits for (H100 B1 Sk4096 14.3 -> 13.0 us, B8 Sk2048
-    # 28.9 -> 28.3), while the masks cost paged caches about 1% where bandwidth rules (ragged B32,
-    # pages of 16: 2,780 -> 2,750 GB/s). Prefill tiles, compute-bound, keep the unmasked middle apart.
-    one_range = small_grid and block_m < 128
+    # One loop saves a short call the code of two more pipelined loops, run once per program; large
+    # grids are bandwidth-bound, and there the masks cost paged caches. Prefill tiles (compute-bound)
+    # and appends (a masked block also reads the new rows) keep the unmasked middle apart.
+    one_range = small_grid and block_m < 128 and params.new_keys == 0
     return KVCacheConfig(block_m, block_n, num_warps, num_stages, splits, one_range)
 
 

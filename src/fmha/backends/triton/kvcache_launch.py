@@ -98,7 +98,7 @@ class KVCacheForward:
                  SPLIT=self.splits > 1, DOT_PRECISION=dot_precision(p.dtype),
                  FUSED_SCALE=p.scale > 0 and not p.softcap and not p.alibi, DOT_FP32=interpreter_upcasts(p.dtype),
                  SOFTCAP=softcap_tanh(p) if p.softcap else NO_SOFTCAP, ALIBI=bool(p.alibi), SINKS=p.has_sinks,
-                 VARLEN_Q=p.varlen, ONE_RANGE=config.one_range and p.new_keys == 0),
+                 VARLEN_Q=p.varlen, ONE_RANGE=config.one_range),
             config.num_warps, config.num_stages)
         # Split: one arrival counter per (batch and KV head, packed block), zeros between launches
         # (the last chunk to arrive resets its own); made by the first call. Shared by the calls of
