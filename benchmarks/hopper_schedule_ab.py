@@ -54,6 +54,9 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("window 1024 D64", 1, 32, 16384, 64, True, {"window": (1023, 0)}),
          ("plain D128 causal S1k", 16, 16, 1024, 128, True, {}),
          ("softcap 30 S1k", 16, 16, 1024, 128, True, {"softcap": 30.0}),
+         ("softcap 30 non-causal", 4, 16, 4096, 128, False, {"softcap": 30.0}),
+         ("softcap 30 D64 non-causal", 4, 32, 4096, 64, False, {"softcap": 30.0}),
+         ("softcap 50 sinks", 4, 16, 4096, 128, True, {"softcap": 50.0, "sinks": True}),
          # packed sequences (batch None): the nine of the `features` suite, causal
          ("varlen 9", None, 16, None, 128, True, {}),
          ("varlen 9 D64", None, 32, None, 64, True, {})]

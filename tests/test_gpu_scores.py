@@ -32,7 +32,8 @@ def feature_kwargs(name):
     sinks = torch.randn(Q_HEADS, device="cuda", generator=generator)
     return {"softcap": dict(softcap=30.0), "softcap_small": dict(softcap=2.0), "alibi": dict(alibi_slopes=slopes),
             "alibi_batched": dict(alibi_slopes=slopes * torch.rand(2, 1, device="cuda", generator=generator)),
-            "sinks": dict(sinks=sinks), "all": dict(softcap=20.0, alibi_slopes=slopes, sinks=sinks)}[name]
+            "sinks": dict(sinks=sinks), "all": dict(softcap=20.0, alibi_slopes=slopes, sinks=sinks),
+            "softcap_sinks": dict(softcap=50.0, sinks=sinks), "softcap_wide": dict(softcap=60.0)}[name]
 
 
 FEATURES = ["softcap", "softcap_small", "alibi_batched", "sinks", "all"]
@@ -65,7 +66,8 @@ def test_features_forward_and_backward_gpu(name, head_dim, seqlen_q, seqlen_k, c
     check_features(q, k, v, name, causal)
 
 
-HOPPER_FEATURES = ["softcap", "softcap_small", "alibi", "alibi_batched", "sinks", "all"]
+# softcap, softcap_small and softcap_sinks run the forward's fixed max (SOFTCAP_BOUNDED), softcap_wide the running one.
+HOPPER_FEATURES = ["softcap", "softcap_small", "softcap_sinks", "softcap_wide", "alibi", "alibi_batched", "sinks", "all"]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -362,3 +364,28 @@ def test_attn_mask_on_the_hopper_backward_gpu(name, seqlen_q, seqlen_k, head_dim
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert_grads_close(grads, q, k, v, dout, attn_mask=mask)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap", [2.0, 50.0, 52.0, 60.0])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_softcap_with_saturated_rows_gpu(head_dim, softcap, causal):
+    """Rows whose scores all sit near -softcap or near +softcap: the forward's fixed max below the
+    softcap's bound (up to softcap 52 in bf16, SOFTCAP_BOUNDED) keeps both kinds exact, and so does
+    the running max above it."""
+    skip_off_hopper()
+    q, k, v = inputs(512, 700, head_dim, 11)
+    generator = torch.Generator(device="cuda").manual_seed(12)
+    direction = torch.randn(head_dim, device="cuda", generator=generator)
+    direction = direction / direction.norm() * 4 * head_dim ** 0.5  # q·k·scale about ±16·sqrt(D)
+    sign = torch.where(torch.arange(512, device="cuda") % 3 == 0, -1.0, 1.0)
+    q = (q.float() + sign[:, None] * direction).to(q.dtype)
+    k = (k.float() + direction).to(k.dtype)
+    sinks = torch.randn(Q_HEADS, device="cuda", generator=generator)
+    for extra in ({}, dict(sinks=sinks)):
+        explanation = fmha.explain(q, k, v, causal=causal, softcap=softcap, config=fmha.HopperSchedule(), **extra)
+        assert explanation.backend == "gluon_sm90", str(explanation)
+        out, lse = fmha.attention(q, k, v, causal=causal, softcap=softcap, return_lse=True, config=fmha.HopperSchedule(),
+                                  **extra)
+        offset = dict(causal_offset=700 - 512) if causal else {}
+        assert_close_to_reference(out, q, k, v, lse=lse, atol=1e-5, softcap=softcap, **offset, **extra)

@@ -6,6 +6,7 @@ read back: warpgroup MMAs fed by bulk tensor copies, and no slow fallbacks.
 """
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -56,7 +57,8 @@ for variant in json.loads(sys.argv[1]):
     # The very source, signature and options the launcher compiles on a GPU.
     alibi = 2 if "alibi_causal" in extra else int("alibi" in extra)
     mask = next((name[len("mask_"):] for name in extra if name.startswith("mask_") and name != "mask_strided"), "")
-    features = launch.ScoreFeatures(softcap="softcap" in extra, alibi=alibi, sinks="sinks" in extra,
+    softcap = 2 if "softcap_bounded" in extra else int("softcap" in extra)
+    features = launch.ScoreFeatures(softcap=softcap, alibi=alibi, sinks="sinks" in extra,
                                     dropout="dropout" in extra, mask=mask, mask_keys=0 if "mask_strided" in extra else 2)
     source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left=2 if "wide" in extra else int("left" in extra),
                                              varlen="varlen" in extra, features=features)
@@ -69,7 +71,7 @@ for variant in json.loads(sys.argv[1]):
     sass = sass_of(compiled.asm["cubin"])
     report[",".join(map(str, variant))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2", "MUFU.TANH",
-                                                 "STL", "ISETP", "HSET2", "PRMT")},
+                                                 "FMNMX", "STL", "ISETP", "HSET2", "PRMT")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
         # shared-memory stores and loads (STS, LDS; not STSM, LDSM)
         "sts": len(re.findall(r"\bSTS\b", sass)), "lds": len(re.findall(r"\bLDS\b", sass)),
@@ -116,6 +118,10 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (128, True, 2, 128, 2, 0, 2, 1, "wide", "dynamic"),
             (128, True, 2, 128, 2, 0, 2, 1, "pingpong"), (64, True, 2, 128, 2, 8, 2, 1, "dynamic", "left", "pingpong"),
             (64, True, 2, 128, 3, 8, 1, 1, "softcap", "varlen"), (64, True, 2, 128, 4, 8, 1, 1, "softcap"),
+            (128, True, 2, 128, 2, 0, 2, 1, "softcap_bounded"), (64, False, 2, 128, 2, 8, 2, 1, "softcap_bounded"),
+            (128, True, 2, 128, 2, 0, 2, 1, "softcap_bounded", "sinks"),
+            (128, True, 2, 128, 2, 0, 2, 1, "softcap_bounded", "sinks", "dropout"),
+            (64, True, 2, 128, 3, 8, 1, 1, "softcap_bounded", "varlen", "left"),
             (128, False, 2, 64, 3, 0, 2, 1, "mask_bool"), (64, False, 2, 128, 2, 8, 2, 1, "mask_bool"),
             (64, False, 1, 128, 2, 8, 2, 2, "mask_float32", "mask_strided"),
             (128, False, 2, 64, 3, 0, 2, 1, "mask_bfloat16")]
@@ -192,7 +198,7 @@ def test_consumers_take_turns_where_the_softmax_is_long(hopper_builds, variant):
     from fmha.backends.gluon_sm90.slot_barriers import FIRST_SLOT_BARRIER
 
     consumers, stages, extra = variant[2], variant[4], variant[8:]
-    long_softmax = bool({"softcap", "dropout", "alibi"} & set(extra))
+    long_softmax = bool({"softcap", "softcap_bounded", "dropout", "alibi"} & set(extra))
     expected = "pingpong" in extra or (long_softmax and consumers == 2 and stages <= MAX_STAGES_WITH_TURNS)
     build = hopper_builds[",".join(map(str, variant))]
     assert (build["turns"] > 0) == expected
@@ -379,15 +385,21 @@ def test_shipped_rules_follow_the_measurements():
     dynamic = HopperSchedule(persistent=True, q_buffers=2, dynamic=True, pack_p=True)
     for left in (1023, 4095):
         assert schedules.shipped_schedule(attention_params("test", q, q, q, window=(left, 0)), "sm_90", 132)[0] == dynamic
-    # score features: causal ALiBi packs P; dropout at D = 64 emulates no exponential; three
-    # consumers only for plain calls
+    # score features: causal ALiBi and a bounded softcap pack P; dropout at D = 64 emulates no
+    # exponential; three consumers only for plain calls
     for head_dim, causal, features, expected in [
             (128, True, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2, pack_p=True)),
             (128, False, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2)),
             (64, True, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
             (64, True, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2)),
             (64, False, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2)),
-            (64, False, dict(softcap=30.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)),
+            (64, False, dict(softcap=30.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
+            (64, True, dict(softcap=30.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
+            (64, True, dict(softcap=60.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8,
+                                                          pingpong=PINGPONG_ON)),
+            (128, True, dict(softcap=50.0), HopperSchedule(persistent=True, q_buffers=2, pack_p=True, emulated_exp2=8)),
+            (128, False, dict(softcap=60.0), HopperSchedule(persistent=True, q_buffers=2)),
+            (128, True, dict(softcap=30.0, dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2)),
             (64, False, dict(has_sinks=True), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8))]:
         q = torch.empty(1, dtype=torch.bfloat16).expand(4, 16, 4096, head_dim)
         params = attention_params("test", q, q, q, causal=causal)
@@ -579,3 +591,37 @@ def test_alibi_takes_its_causal_form_only_where_no_key_follows_a_row(options, ex
     k = torch.empty(1, 2, 300, 64, dtype=torch.float16)
     params = attention_params("test", q, k, k, alibi_slopes=torch.ones(2), **options)
     assert launch.ScoreFeatures.forward_of(params).alibi == expected
+
+
+@pytest.mark.parametrize("dtype, softcap, extra, expected", [
+    (torch.bfloat16, 30.0, {}, 2), (torch.bfloat16, 52.0, {}, 2), (torch.bfloat16, 52.5, {}, 1),
+    (torch.float16, 30.0, {}, 1), (torch.bfloat16, 30.0, dict(alibi_slopes=torch.ones(2)), 1),
+    (torch.bfloat16, 30.0, dict(attn_mask_kind="float32"), 1), (torch.bfloat16, 30.0, dict(attn_mask_kind="bool"), 2)])
+def test_softcap_subtracts_a_fixed_max_only_where_the_scores_stay_bounded(dtype, softcap, extra, expected):
+    """SOFTCAP_BOUNDED needs bf16's range and scores that nothing pushes past ±softcap after the tanh."""
+    from fmha.backends.gluon_sm90 import launch
+
+    q = torch.empty(1, 2, 100, 64, dtype=dtype)
+    k = torch.empty(1, 2, 300, 64, dtype=dtype)
+    params = attention_params("test", q, k, k, softcap=softcap, **extra)
+    assert launch.ScoreFeatures.forward_of(params).softcap == expected
+
+
+def test_bounded_softcap_limit_keeps_every_probability_a_normal_float():
+    """exp2 of a bounded softcap score minus the fixed max lies in [2^(offset - 2C), 2^offset]."""
+    from fmha.backends.gluon_sm90.schedule import BOUNDED_SOFTCAP_LIMIT
+    from fmha.backends.gluon_sm90.scores import BOUNDED_MAX_OFFSET
+
+    bound = BOUNDED_SOFTCAP_LIMIT * math.log2(math.e)
+    assert BOUNDED_MAX_OFFSET.value - 2 * bound >= -121 and BOUNDED_MAX_OFFSET.value <= 32
+
+
+def test_bounded_softcap_builds_keep_no_running_max(hopper_builds):
+    """With SOFTCAP_BOUNDED the forward computes no row max (no FMNMX besides the emulated exponentials'
+    clamp) and spills less than the same build with the running max."""
+    for online, bounded in [((128, True, 2, 128, 2, 0, 2, 1, "softcap"), (128, True, 2, 128, 2, 0, 2, 1, "softcap_bounded")),
+                            ((64, False, 2, 128, 2, 8, 2, 1, "softcap"), (64, False, 2, 128, 2, 8, 2, 1, "softcap_bounded"))]:
+        online, bounded = hopper_builds[",".join(map(str, online))], hopper_builds[",".join(map(str, bounded))]
+        assert online["counts"]["FMNMX"] > 256
+        assert bounded["counts"]["FMNMX"] <= online["counts"]["FMNMX"] // 8  # the emulated exponentials' clamp
+        assert bounded["counts"]["STL"] <= online["counts"]["STL"]

@@ -11,7 +11,9 @@ that matches gives the schedule, or ``null`` for the portable kernel. Conditions
 * ``window``: the window has a left bound (sliding windows), or not;
 * ``attn_mask``: SDPA's attn_mask is ``"bool"``, ``"float"`` (any float dtype) or ``""`` (none);
 * ``alibi``, ``dropout``: the call has ALiBi slopes / a dropout probability, or not;
-* ``score_features``: the call has any of softcap, ALiBi, sinks, an attn_mask or dropout, or none.
+* ``score_features``: the call has any of softcap, ALiBi, sinks, an attn_mask or dropout, or none;
+* ``softcap``: how the forward softmaxes softcapped scores: ``"bounded"`` against a fixed max,
+  ``"running"``, or ``""`` (no softcap) (:func:`fmha.backends.gluon_sm90.schedule.softcap_kind`).
 
 An entry that ``fmha tune`` stored in the cache for the call's key comes before these rules.
 """
@@ -22,7 +24,7 @@ import functools
 import json
 from pathlib import Path
 
-from ..backends.gluon_sm90.schedule import HopperSchedule
+from ..backends.gluon_sm90.schedule import HopperSchedule, softcap_kind
 from ..params import AttentionParams
 
 SCHEDULES_FILE = Path(__file__).parent / "defaults" / "schedules.json"
@@ -58,6 +60,7 @@ def _matches(when: dict, params: AttentionParams, multiprocessors: int) -> bool:
         "alibi": lambda value: params.options.has_alibi == value,
         "dropout": lambda value: (params.options.dropout_p > 0.0) == value,
         "score_features": lambda value: params.options.score_features == value,
+        "softcap": lambda value: softcap_kind(params) == value,
     }
     return all(tests[name](value) for name, value in when.items())
 
@@ -77,4 +80,4 @@ def _mask_class(kind: str) -> str:
 
 def rule_conditions() -> tuple[str, ...]:
     return ("head_dim", "causal", "varlen", "seqlen_q_from", "seqlen_q_below", "flops_below", "tiles_per_sm_below",
-            "window", "attn_mask", "alibi", "dropout", "score_features")
+            "window", "attn_mask", "alibi", "dropout", "score_features", "softcap")

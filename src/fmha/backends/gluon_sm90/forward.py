@@ -59,9 +59,9 @@ from . import slot_barriers
 from .schedule import register_budget as schedule_registers
 from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
 from .masking import key_blocks, sequence_span, visible
-from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, NO_MASK, alibi_form, draw_layout, dropout_draws, dropout_key,
-                     dropped, expand_mask, load_mask, mask_rows, masked_scores, pair_conversion, pair_rows,
-                     tanh_approx)
+from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, BOUNDED_MAX_OFFSET, NO_MASK, SOFTCAP_BOUNDED, alibi_form,
+                     draw_layout, dropout_draws, dropout_key, dropped, expand_mask, load_mask, mask_rows, masked_scores,
+                     pair_conversion, pair_rows, tanh_approx)
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -455,12 +455,18 @@ def _softmax_block(
         seen = visible(rows[:, None], keys0[None, :], seqlen_k - key_start, lo - key_start, hi - key_start,
                        HAS_LEFT, HAS_RIGHT)
         scores = gl.where(seen, scores, float("-inf"))
-    new_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale + row_shift)
-    # A row that has seen no key keeps max = -inf; subtracting 0 gives exp2(-inf) = 0, not NaN.
-    new_max_safe = gl.where(new_max == float("-inf"), 0.0, new_max)
-    probs = _exp2(scores * qk_scale - (new_max_safe - row_shift)[:, None], EMULATED_EXP2)
-    rescale = gl.exp2(row_max - new_max_safe)
-    row_sum = row_sum * rescale + gl.sum(probs, 1)
+    if SOFTCAP == SOFTCAP_BOUNDED:  # row_max is the fixed bound (:func:`_initial_max`); no ALiBi
+        probs = _exp2(scores * qk_scale - row_max[:, None], EMULATED_EXP2)
+        rescale = gl.full_like(row_max, 1.0)  # unread
+        new_max = row_max
+        row_sum = row_sum + gl.sum(probs, 1)
+    else:
+        new_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale + row_shift)
+        # A row that has seen no key keeps max = -inf; subtracting 0 gives exp2(-inf) = 0, not NaN.
+        new_max_safe = gl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = _exp2(scores * qk_scale - (new_max_safe - row_shift)[:, None], EMULATED_EXP2)
+        rescale = gl.exp2(row_max - new_max_safe)
+        row_sum = row_sum * rescale + gl.sum(probs, 1)
     return probs, rescale, new_max, row_sum
 
 
@@ -521,7 +527,7 @@ def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_sc
     """The first block of a tile: nothing to rescale yet. A masked one checks both sides of a window:
     a third build of this step for a window's left edge alone (one compare less per score) made the
     kernel larger and no faster (docs/perf.md, session 17)."""
-    row_max = gl.full([scores.shape[0]], float("-inf"), gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
+    row_max = _initial_max(mods, scores.shape[0], gl.SliceLayout(1, scores.type.layout), SOFTCAP)
     row_sum = gl.zeros([scores.shape[0]], gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     if masked:
         probs, rescale, row_max, row_sum = _softmax_block(
@@ -532,6 +538,17 @@ def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_sc
             scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, False,
             HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
     return probs, row_max, row_sum
+
+
+@gluon.jit
+def _initial_max(mods, ROWS: gl.constexpr, layout: gl.constexpr, SOFTCAP: gl.constexpr):
+    """The rows' max before any key (log2 units): -inf, or with SOFTCAP_BOUNDED the fixed max that
+    every block subtracts, BOUNDED_MAX_OFFSET below the softcap's bound ``mods[0]``."""
+    if SOFTCAP == SOFTCAP_BOUNDED:
+        row_max = gl.full([ROWS], mods[0] - BOUNDED_MAX_OFFSET, gl.float32, layout=layout)
+    else:
+        row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=layout)
+    return row_max
 
 
 @gluon.constexpr_function
@@ -623,7 +640,8 @@ def _pipelined_blocks(
             draws = dropout_draws(block * BLOCK_N, mods[3], BLOCK_N)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         slot_barriers.signal(_v_slot_barrier(prev_slot, STAGES), _slot_threads(CONSUMERS))
-        acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
+        if SOFTCAP != SOFTCAP_BOUNDED:
+            acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
         if PACKED_P:
             probs = _packed_probs(probs, v_smem.dtype)
     return acc, probs, draws, row_max, row_sum
@@ -702,7 +720,7 @@ def _consumer_tile(
         mods = _tile_mods(score_args, sequence, head, rows, seq_q, seq_k, dropout, ALIBI, MASK)
         if ALIBI == ALIBI_CAUSAL_MMA:
             mods = mods + (_alibi_key_terms(o_smem.index(CONSUMER), mods[1], qk_scale, BLOCK_N),)
-        row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+        row_max = _initial_max(mods, ROWS, s_rows, SOFTCAP)
         row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS

@@ -17,9 +17,9 @@ from ...runtime import KernelBuildError, multiprocessors, run_compiled
 from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout_threshold, window_bounds
 from ..triton.forward import LOG2_E
 from .forward import WIDE_LEFT, attention_forward_hopper_kernel
-from .scores import (ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF, BOOL_MASK, FLOAT_MASK, NO_MASK, PAIRED_MASK_KEYS,
-                     STRIDED_MASK_KEYS, UNIT_MASK_KEYS)
-from .schedule import CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule, register_budget
+from .scores import (ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF, BOOL_MASK, FLOAT_MASK, NO_MASK, PAIRED_MASK_KEYS, SOFTCAP_BOUNDED, SOFTCAP_OFF, SOFTCAP_ONLINE, STRIDED_MASK_KEYS, UNIT_MASK_KEYS)
+from .schedule import (CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule, register_budget,
+                       softcap_kind)
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,14 +50,15 @@ class _HostDescriptor:
 
 @dataclass(frozen=True)
 class ScoreFeatures:
-    """The score features a Gluon kernel is built with (fmha.backends.gluon_sm90.scores); ``alibi``
+    """The score features a Gluon kernel is built with (fmha.backends.gluon_sm90.scores): ``softcap``
+    is the SOFTCAP constexpr (0 off, 1 with the running max, 2 (forward only) bounded); ``alibi``
     is the ALIBI constexpr: 0 off, 1 any window, 2 (forward only) no key after a row's position;
     ``dropout``: some probability can be dropped (a p that rounds to 0 drops none: built without);
     ``mask``: SDPA's attn_mask kind (fmha.params.AttentionOptions.attn_mask_kind; forward only),
     ``mask_keys``: how its keys lie (the MASK_KEYS constexpr, :func:`mask_keys_layout`; a call's
     mask picks the build, :class:`HopperForward`)."""
 
-    softcap: bool = False
+    softcap: int = SOFTCAP_OFF.value
     alibi: int = 0
     sinks: bool = False
     dropout: bool = False
@@ -66,13 +67,15 @@ class ScoreFeatures:
 
     @classmethod
     def of(cls, options) -> "ScoreFeatures":
-        return cls(options.softcap > 0, ALIBI_ANY.value if options.has_alibi else ALIBI_OFF.value, options.has_sinks,
+        softcap = SOFTCAP_ONLINE.value if options.softcap > 0 else SOFTCAP_OFF.value
+        return cls(softcap, ALIBI_ANY.value if options.has_alibi else ALIBI_OFF.value, options.has_sinks,
                    dropout_threshold(options.dropout_p) > 0, options.attn_mask_kind)
 
     @classmethod
     def forward_of(cls, params: AttentionParams) -> "ScoreFeatures":
         """As :meth:`of`, with ALiBi's causal form where every visible key j of row i has
-        j <= i + Sk - Sq (ALiBi's position of the row): a right bound at or before it."""
+        j <= i + Sk - Sq (ALiBi's position of the row): a right bound at or before it; and the
+        softcap's bounded form (a fixed max) where :func:`softcap_kind` allows it."""
         features = cls.of(params.options)
         if features.alibi:
             has_left, has_right, lo, hi = window_bounds(params)
@@ -80,6 +83,8 @@ class ScoreFeatures:
             alibi_offset = 0 if params.varlen else params.seqlen_k - params.seqlen_q
             if has_right and hi <= alibi_offset:
                 features = dataclasses.replace(features, alibi=ALIBI_CAUSAL.value)
+        if softcap_kind(params) == "bounded":
+            features = dataclasses.replace(features, softcap=SOFTCAP_BOUNDED.value)
         return features
 
     @property

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 CONSUMER_ROWS = 64  # query rows per consumer warpgroup
 # HopperSchedule.pingpong: the two consumers take turns issuing their products never, always, or
 # when the call's score features lengthen the softmax (softcap, dropout, ALiBi both ways).
@@ -21,6 +23,22 @@ DEFAULT_MIN_CONSUMER_REGISTERS = 160
 # its tiles (under 400 bytes in every build).
 SHARED_MEMORY_PER_CTA = 227 * 1024
 BARRIER_BYTES = 512
+# The largest softcap whose scores the forward softmaxes against a fixed max in bf16
+# (fmha.backends.gluon_sm90.scores.SOFTCAP_BOUNDED: 2 · softcap · log2 e - BOUNDED_MAX_OFFSET <= 120).
+BOUNDED_SOFTCAP_LIMIT = 52.0
+
+
+def softcap_kind(params) -> str:
+    """How the forward softmaxes a call's softcapped scores: ``""`` (no softcap), ``"bounded"`` against
+    a fixed max (SOFTCAP_BOUNDED: bf16, softcap <= BOUNDED_SOFTCAP_LIMIT, and nothing after the tanh
+    that moves a score past its bound: no ALiBi, no float attn_mask) or ``"running"``."""
+    options = params.options
+    if options.softcap <= 0.0:
+        return ""
+    if (params.dtype == torch.bfloat16 and options.softcap <= BOUNDED_SOFTCAP_LIMIT and not options.has_alibi
+            and options.attn_mask_kind in ("", "bool")):
+        return "bounded"
+    return "running"
 
 
 def register_budget(consumers: int, ctas_per_sm: int) -> tuple[int, int, int]:
