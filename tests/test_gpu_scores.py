@@ -97,11 +97,12 @@ def test_hopper_packed_p_schedules_with_causal_alibi_gpu(name, head_dim, seqlen_
     check_features(q, k, v, name, True, config=fmha.HopperSchedule(**PACKED_P_SCHEDULES[head_dim]))
 
 
+@pytest.mark.parametrize("name", ["all", "softcap_sinks"])  # softcap_sinks: the forward's fixed max
 @pytest.mark.parametrize("window", [(255, 0), (100, 100)], ids=lambda window: f"left{window[0]}-right{window[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_features_with_windows_and_packed_sequences_gpu(head_dim, window):
+def test_features_with_windows_and_packed_sequences_gpu(head_dim, window, name):
     q, k, v = inputs(1200, 1200, head_dim, 3, grad=True)
-    kwargs = feature_kwargs("all")
+    kwargs = feature_kwargs(name)
     out = fmha.attention(q, k, v, window=window, **kwargs)
     from fmha.masking import Window
 
