@@ -67,7 +67,8 @@ def test_features_forward_and_backward_gpu(name, head_dim, seqlen_q, seqlen_k, c
 
 
 # softcap, softcap_small and softcap_sinks run the forward's fixed max (SOFTCAP_BOUNDED), softcap_wide the running one.
-HOPPER_FEATURES = ["softcap", "softcap_small", "softcap_sinks", "softcap_wide", "alibi", "alibi_batched", "sinks", "all"]
+HOPPER_FEATURES = ["softcap", "softcap_small", "softcap_sinks", "softcap_wide", "alibi", "alibi_batched", "sinks",
+                   "all"]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -384,9 +385,9 @@ def test_hopper_softcap_with_saturated_rows_gpu(head_dim, softcap, causal):
     k = (k.float() + direction).to(k.dtype)
     sinks = torch.randn(Q_HEADS, device="cuda", generator=generator)
     for extra in ({}, dict(sinks=sinks)):
-        explanation = fmha.explain(q, k, v, causal=causal, softcap=softcap, config=fmha.HopperSchedule(), **extra)
+        kwargs = dict(causal=causal, softcap=softcap, config=fmha.HopperSchedule(), **extra)
+        explanation = fmha.explain(q, k, v, **kwargs)
         assert explanation.backend == "gluon_sm90", str(explanation)
-        out, lse = fmha.attention(q, k, v, causal=causal, softcap=softcap, return_lse=True, config=fmha.HopperSchedule(),
-                                  **extra)
+        out, lse = fmha.attention(q, k, v, return_lse=True, **kwargs)
         offset = dict(causal_offset=700 - 512) if causal else {}
         assert_close_to_reference(out, q, k, v, lse=lse, atol=1e-5, softcap=softcap, **offset, **extra)

@@ -619,8 +619,7 @@ def test_bounded_softcap_limit_keeps_every_probability_a_normal_float():
 def test_bounded_softcap_builds_keep_no_running_max(hopper_builds):
     """With SOFTCAP_BOUNDED the forward computes no row max (no FMNMX besides the emulated exponentials'
     clamp)."""
-    for online, bounded in [((128, True, 2, 128, 2, 0, 2, 1, "softcap"), (128, True, 2, 128, 2, 0, 2, 1, "softcap_bounded")),
-                            ((64, False, 2, 128, 2, 8, 2, 1, "softcap"), (64, False, 2, 128, 2, 8, 2, 1, "softcap_bounded"))]:
-        online, bounded = hopper_builds[",".join(map(str, online))], hopper_builds[",".join(map(str, bounded))]
+    for schedule in [(128, True, 2, 128, 2, 0, 2, 1), (64, False, 2, 128, 2, 8, 2, 1)]:
+        online, bounded = (hopper_builds[",".join(map(str, schedule + (kind,)))] for kind in ("softcap", "softcap_bounded"))
         assert online["counts"]["FMNMX"] > 256
         assert bounded["counts"]["FMNMX"] <= online["counts"]["FMNMX"] // 8  # the emulated exponentials' clamp

@@ -17,7 +17,8 @@ from ...runtime import KernelBuildError, multiprocessors, run_compiled
 from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout_threshold, window_bounds
 from ..triton.forward import LOG2_E
 from .forward import WIDE_LEFT, attention_forward_hopper_kernel
-from .scores import (ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF, BOOL_MASK, FLOAT_MASK, NO_MASK, PAIRED_MASK_KEYS, SOFTCAP_BOUNDED, SOFTCAP_OFF, SOFTCAP_ONLINE, STRIDED_MASK_KEYS, UNIT_MASK_KEYS)
+from .scores import (ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF, BOOL_MASK, FLOAT_MASK, NO_MASK, PAIRED_MASK_KEYS,
+                     SOFTCAP_BOUNDED, SOFTCAP_OFF, SOFTCAP_RUNNING, STRIDED_MASK_KEYS, UNIT_MASK_KEYS)
 from .schedule import (CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule, register_budget,
                        softcap_kind)
 
@@ -67,7 +68,7 @@ class ScoreFeatures:
 
     @classmethod
     def of(cls, options) -> "ScoreFeatures":
-        softcap = SOFTCAP_ONLINE.value if options.softcap > 0 else SOFTCAP_OFF.value
+        softcap = SOFTCAP_RUNNING.value if options.softcap > 0 else SOFTCAP_OFF.value
         return cls(softcap, ALIBI_ANY.value if options.has_alibi else ALIBI_OFF.value, options.has_sinks,
                    dropout_threshold(options.dropout_p) > 0, options.attn_mask_kind)
 

@@ -169,7 +169,7 @@ def alibi_form(alibi, softcap, dtype):
     return alibi
 
 
-# The SOFTCAP constexpr: off; on, with the rows' running max; or bounded: a softcapped score lies in
+# The SOFTCAP constexpr: off; running, with the rows' running max; or bounded: a softcapped score lies in
 # [-C, C] (C = softcap · log2 e, log2 units), so the forward subtracts the fixed max C -
 # BOUNDED_MAX_OFFSET instead of a running one. exp2 of a score then lies in [2^(32 - 2C), 2^32]:
 # with C <= 76 (softcap <= fmha.backends.gluon_sm90.schedule.BOUNDED_SOFTCAP_LIMIT) every
@@ -177,7 +177,7 @@ def alibi_form(alibi, softcap, dtype):
 # inside the range, and no row max, rescale factor or accumulator rescale is computed: the tanh and
 # the exp2 of one score follow each other with no reduction between them. fp16's range is too short.
 SOFTCAP_OFF: gl.constexpr = gl.constexpr(0)
-SOFTCAP_ONLINE: gl.constexpr = gl.constexpr(1)
+SOFTCAP_RUNNING: gl.constexpr = gl.constexpr(1)
 SOFTCAP_BOUNDED: gl.constexpr = gl.constexpr(2)
 BOUNDED_MAX_OFFSET: gl.constexpr = gl.constexpr(32.0)
 
