@@ -51,7 +51,10 @@ for head_dim, has_left, has_right, *extra in json.loads(sys.argv[1]):
         "hmma": sass.count("HMMA"), "shared": compiled.metadata.shared,
         # warpgroup MMAs whose A operand is read untransposed from shared memory (K or V; dQ's Kᵀ is transposed)
         "shared_a": len(re.findall(r"HGMMA\S* R\d+, gdesc\[UR\d+\](?!\.tnspA)", sass)),
-        "loop_spills": spills_in_product_loops(sass)}
+        "loop_spills": spills_in_product_loops(sass),
+        # whether a step waits for every product (dK's and dV's) between dK's issue and dQ's
+        "waits_before_dq": "WARPGROUP.DEPBAR.LE gsb0, 0x0" in sass[
+            sass.rfind("HGMMA.64x128x16", 0, sass.find("tnspA.tnspB")):sass.find("tnspA.tnspB")]}
 print(json.dumps(report))
 """
 
@@ -165,3 +168,12 @@ def test_step_order_follows_head_dim_and_score_features(head_dim, features, lse_
     constants = {names[key[0]]: value for key, value in source.constants.items()}
     assert (constants["LSE_EARLY"], constants["DQ_LATE"], constants["KV_REGISTERS"]) == (lse_early, dq_late,
                                                                                          kv_registers)
+
+
+@pytest.mark.parametrize("variant, waits", [((128, False, False), False), ((128, False, True), True),
+                                            ((128, False, False, "mask_bool"), False)], ids=str)
+def test_dense_d128_issues_dq_behind_dk_and_dv(backward_builds, variant, waits):
+    """Without a causal mask or window, a D = 128 step issues its dQ product right behind dK's and
+    waits for dK and dV only after it (the slot of Q and dO is then released); causal builds wait
+    for them first (issued early there, ptxas schedules the loops worse)."""
+    assert backward_builds[",".join(map(str, variant))]["waits_before_dq"] == waits

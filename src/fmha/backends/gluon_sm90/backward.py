@@ -198,7 +198,7 @@ def _query_steps(
     batch, head, keys, position_base, m_first, m_begin, m_stop, q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     dropout, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
-    DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr,
+    DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr,
     ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr,
 ):
     """Query blocks [m_begin, m_stop) of one head; the block at row m sits at ring position
@@ -299,12 +299,14 @@ def _query_steps(
             fence_async_shared()
             cta_barrier()  # every thread's part of dSᵀ is written before the arrival
             mbarrier.arrive(ds_ready.index(buffer), count=1)
-            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-            mbarrier.arrive(q_free.index(slot), count=1)  # dQ reads dS and K only
+            EARLY: gl.constexpr = DQ_EARLY and not DQ_ALTERNATE
+            if not EARLY:
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                mbarrier.arrive(q_free.index(slot), count=1)  # dQ reads dS and K only
             if DQ_ALTERNATE:
                 computes_dq = position % CONSUMERS == CONSUMER
             else:
-                computes_dq = True
+                computes_dq: gl.constexpr = True
             if computes_dq:
                 mbarrier.wait(ds_ready.index(buffer), buffer_phase)
                 k_columns = k_smem.reshape([BLOCK_N, HEAD_DIM]).slice(DQ_COLUMN0, DQ_COLUMNS, dim=1)
@@ -313,6 +315,9 @@ def _query_steps(
                 dq_t = warpgroup_mma(k_columns.permute((1, 0)), ds_buffer,
                                      gl.zeros([DQ_COLUMNS, BLOCK_M], gl.float32, layout=dq_t_layout),
                                      use_acc=False, is_async=True)
+                if EARLY:  # dQ queued behind dK and dV: the slot is free once they are done
+                    dk, dv = warpgroup_mma_wait(1, deps=(dk, dv))
+                    mbarrier.arrive(q_free.index(slot), count=1)
                 dq_t = warpgroup_mma_wait(0, deps=(dq_t,))
                 mbarrier.arrive(ds_free.index(buffer), count=1)
                 if DQ_LATE:
@@ -354,7 +359,7 @@ def _consumer_partition(
     tile_slots,  # with DYNAMIC: where the load warp hands out tiles
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
     DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
@@ -379,7 +384,7 @@ def _consumer_partition(
                     kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale,
                     qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k,
                     seq_lo, seq_hi, sequence, ring_position, tile_count, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
-                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN,
+                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN,
                     DROPOUT, MASK, KV_REGISTERS)
                 tile_count += 1
             handed += 1
@@ -392,7 +397,7 @@ def _consumer_partition(
                            kv_ready, kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size,
                            scale, qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q,
                            k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
-                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI,
+                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI,
                            VARLEN, DROPOUT, MASK, KV_REGISTERS)
     tma.store_wait(0)
 
@@ -404,7 +409,7 @@ def _consumer_tile(
     batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence, ring_position, tile_count,
     rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
     DROPOUT: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
 ):
     """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
@@ -457,17 +462,17 @@ def _consumer_tile(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, m_start, full_start, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_start, full_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, False, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
         dk, dv = _query_steps(
             dk, dv, k_rows, v_rows, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
             q_ready, q_free, ds_ready, ds_free, dq_desc, batch, head, keys, position_base, m_start, full_end, m_end, q_start,
             seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, CONSUMERS, STAGES, True, HAS_LEFT,
-            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
+            HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
     mbarrier.arrive(kv_free, count=1)  # every product that reads K and V has completed
     own_staging = staging.index(CONSUMER)
     if DROPOUT:  # P·dO summed the kept probabilities
@@ -493,7 +498,7 @@ def attention_backward_hopper_kernel(
     dropout_threshold, scale, qk_scale, softcap_scale, dropout_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr,
-    DQ_LATE: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
+    DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
 ):
     """One tile per (batch, KV head, key block of 64 x CONSUMERS keys), num_tiles of them: one
@@ -567,17 +572,17 @@ def attention_backward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
                                     KV_REGISTERS)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
                                     KV_REGISTERS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
                                     KV_REGISTERS)),
              (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))

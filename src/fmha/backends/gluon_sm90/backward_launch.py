@@ -40,6 +40,9 @@ class HopperBackwardSchedule:
     step's dQ tile is stored and added after the next step has issued its first products (its 32
     registers live across them; D = 64 only: the D = 128 consumer has no registers to spare).
     Builds with softcap, ALiBi or dropout, whose registers are already short, take neither.
+    ``dq_early``: where each consumer computes its columns of dQ (D = 128), a step's dQ product is
+    issued behind dK and dV instead of after waiting for them (calls with no causal mask or window
+    only: with one, ptxas schedules the loops worse and the calls lose 2-5%).
     ``kv_registers``: each consumer holds its K and V rows in registers, the A operands of Sᵀ = K Qᵀ
     and dPᵀ = V dOᵀ, which then read only Qᵀ and dOᵀ from shared memory (D = 64 only: at D = 128
     the 64 registers spill; dropout builds, whose draws need the registers, keep them in shared
@@ -54,6 +57,7 @@ class HopperBackwardSchedule:
     dynamic: bool = False
     lse_early: bool = False
     dq_late: bool = False
+    dq_early: bool = False
     kv_registers: bool = False
 
     def __post_init__(self):
@@ -83,11 +87,12 @@ def default_backward_schedule(head_dim: int) -> HopperBackwardSchedule:
     """On the H100 (docs/perf.md, sessions 7, 10 and 13): at D = 64 tiles taken one at a time
     (1.02-1.07x), dQ stored late (1.02-1.05x) and K and V in registers (1.03-1.08x); at D = 128 one
     program per key block (shared memory holds one K/V block, so the next tile's cannot load early;
-    dynamic tiles lose 4-11% on causal, window and packed cases) and the LSE read early
-    (1.01-1.03x; at D = 64 it loses 1-3%)."""
+    dynamic tiles lose 4-11% on causal, window and packed cases), the LSE read early
+    (1.01-1.03x; at D = 64 it loses 1-3%) and, without a causal mask or window, dQ's product issued
+    early (1.05x, session 21)."""
     if head_dim <= 64:
         return HopperBackwardSchedule(dynamic=True, dq_late=True, kv_registers=True)
-    return HopperBackwardSchedule(lse_early=True)
+    return HopperBackwardSchedule(lse_early=True, dq_early=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,6 +125,7 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                  "DQ_ALTERNATE": schedule.dq_alternate(head_dim),
                  "LSE_EARLY": schedule.lse_early and not features.modifies_scores,
                  "DQ_LATE": schedule.dq_late and compute_dq and not features.modifies_scores,
+                 "DQ_EARLY": schedule.dq_early and compute_dq and not (has_left or has_right),
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
                  "DYNAMIC": schedule.dynamic, "MASK": features.mask_constexpr,
                  "KV_REGISTERS": schedule.kv_registers and not features.dropout}
