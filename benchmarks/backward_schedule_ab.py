@@ -33,6 +33,8 @@ CASES = [("D64 S4k", 4, 32, 4096, 64, False, None), ("D64 S4k causal", 4, 32, 40
          # one long sequence (docs/perf.md, session 13: the rate falls as S grows)
          ("D128 S16k", 1, 16, 16384, 128, False, None), ("D128 S32k", 1, 16, 32768, 128, False, None),
          ("D128 S64k", 1, 16, 65536, 128, False, None), ("D128 S64k causal", 1, 16, 65536, 128, True, None),
+         ("D128 S2k causal", 8, 16, 2048, 128, True, None), ("D128 S8k causal", 2, 16, 8192, 128, True, None),
+         ("D64 S2k causal", 8, 32, 2048, 64, True, None), ("D64 S8k causal", 2, 32, 8192, 64, True, None),
          ("D64 S64k", 1, 32, 65536, 64, False, None),
          # score features: the keyword arguments of fmha.attention (attn_mask: a bool (S, S) mask through
          # fmha.scaled_dot_product_attention)

@@ -177,3 +177,17 @@ def test_dense_d128_issues_dq_behind_dk_and_dv(backward_builds, variant, waits):
     waits for dK and dV only after it (the slot of Q and dO is then released); causal builds wait
     for them first (issued early there, ptxas schedules the loops worse)."""
     assert backward_builds[",".join(map(str, variant))]["waits_before_dq"] == waits
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("has_left, has_right, varlen, grouped", [
+    (False, True, False, True), (False, False, False, False), (True, True, False, False), (False, True, True, False)])
+def test_causal_key_blocks_go_in_head_groups(head_dim, has_left, has_right, varlen, grouped):
+    """Causal dense calls order their key blocks by head groups (the kernel applies them up to
+    8,192 keys); windows keep one head at a time, packed sequences their longest-first list."""
+    schedule = backward_launch.default_backward_schedule(head_dim)
+    source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, has_left, has_right, schedule,
+                                                       varlen=varlen)
+    names = backward.attention_backward_hopper_kernel.arg_names
+    constants = {names[key[0]]: value for key, value in source.constants.items()}
+    assert constants["HEAD_GROUP"] == (schedule.head_group if grouped else 0) and schedule.head_group > 1

@@ -42,7 +42,10 @@ class HopperBackwardSchedule:
     Builds with softcap, ALiBi or dropout, whose registers are already short, take neither.
     ``dq_early``: where each consumer computes its columns of dQ (D = 128), a step's dQ product is
     issued behind dK and dV instead of after waiting for them (calls with no causal mask or window
-    only: with one, ptxas schedules the loops worse and the calls lose 2-5%).
+    only: with one, ptxas schedules the loops worse and the calls lose 2-5%). ``head_group``:
+    causal calls of up to 8,192 keys take the key blocks of that many heads at a time, first keys
+    first across them (:func:`fmha.backends.gluon_sm90.backward._program_block`), so that the last
+    blocks to start are short ones.
     ``kv_registers``: each consumer holds its K and V rows in registers, the A operands of Sᵀ = K Qᵀ
     and dPᵀ = V dOᵀ, which then read only Qᵀ and dOᵀ from shared memory (D = 64 only: at D = 128
     the 64 registers spill; dropout builds, whose draws need the registers, keep them in shared
@@ -59,6 +62,7 @@ class HopperBackwardSchedule:
     dq_late: bool = False
     dq_early: bool = False
     kv_registers: bool = False
+    head_group: int = 0
 
     def __post_init__(self):
         checks = {"block_m": self.block_m in (64, 128), "stages": 1 <= self.stages <= 4,
@@ -89,10 +93,10 @@ def default_backward_schedule(head_dim: int) -> HopperBackwardSchedule:
     program per key block (shared memory holds one K/V block, so the next tile's cannot load early;
     dynamic tiles lose 4-11% on causal, window and packed cases), the LSE read early
     (1.01-1.03x; at D = 64 it loses 1-3%) and, without a causal mask or window, dQ's product issued
-    early (1.05x, session 21)."""
+    early (1.05x); causal heads of up to 8k keys in groups of four (1.02-1.03x at 4k-8k; session 21)."""
     if head_dim <= 64:
-        return HopperBackwardSchedule(dynamic=True, dq_late=True, kv_registers=True)
-    return HopperBackwardSchedule(lse_early=True, dq_early=True)
+        return HopperBackwardSchedule(dynamic=True, dq_late=True, kv_registers=True, head_group=4)
+    return HopperBackwardSchedule(lse_early=True, dq_early=True, head_group=4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +132,8 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                  "DQ_EARLY": schedule.dq_early and compute_dq and not (has_left or has_right),
                  "SOFTCAP": features.softcap, "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
                  "DYNAMIC": schedule.dynamic, "MASK": features.mask_constexpr,
-                 "KV_REGISTERS": schedule.kv_registers and not features.dropout}
+                 "KV_REGISTERS": schedule.kv_registers and not features.dropout,
+                 "HEAD_GROUP": schedule.head_group if has_right and not has_left and not varlen else 0}
     signature = {"q_desc": descriptor_type(schedule.block_m), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "do_desc": descriptor_type(schedule.block_m),
                  "dk_desc": descriptor_type(KEYS_PER_CONSUMER), "dv_desc": descriptor_type(KEYS_PER_CONSUMER),
