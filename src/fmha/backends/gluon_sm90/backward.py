@@ -16,7 +16,8 @@ Same math as :mod:`fmha.backends.triton.backward` (P recomputed from Q, K and th
   consumer computes the whole tile, taking turns step by step (the other goes on to its next
   step). Both compute it transposed (dQᵀ = Kᵀ dSᵀ), which stores into shared memory without
   bank conflicts, and the bulk copy engine adds the tile from there into an fp32 buffer (a TMA
-  reduce-add); with DQ_LATE the tile is stored once the next step's first products are issued.
+  reduce-add); with DQ_LATE the tile is stored once the next step's first products are issued,
+  and with DQ_EARLY (head dim 128) the dQ product is issued behind dK's, before waiting for dK and dV.
   The order of the adds varies run to run: ``deterministic=True`` runs the portable dQ kernel
   instead (:mod:`fmha.backends.gluon_sm90.backward_launch`).
 
@@ -69,8 +70,8 @@ def _worker_registers(consumers):
     return [consumer] * (consumers - 1) + [loader]
 
 
-# Causal heads of up to this many key blocks (8192 keys) are grouped (H100: 1.02-1.03x at 4k-8k
-# keys; at 16k within noise, -2% to +0.4%).
+# Causal heads of up to this many key blocks (8,192 keys) go in head groups; longer heads keep
+# their own order (docs/perf.md, session 21).
 GROUPED_BLOCKS: gl.constexpr = gl.constexpr(64)
 
 
@@ -154,7 +155,8 @@ def _load_partition(args, tile_slots, BLOCK_M: gl.constexpr, STAGES: gl.constexp
         hand_out_tile(tile_slots, handed, num_tiles)
     else:
         valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
-            gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN, HEAD_GROUP)
+            gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN,
+            HEAD_GROUP)
         if valid:
             _load_tile(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
                        k_smem, v_smem, kv_ready, q_ready, q_free, num_q_heads, group_size, padded_q, batch, kv_head,
@@ -214,8 +216,8 @@ def _query_steps(
     batch, head, keys, position_base, m_first, m_begin, m_stop, q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     dropout, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr,
-    DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr,
-    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr,
+    DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr,
+    SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr,
 ):
     """Query blocks [m_begin, m_stop) of one head; the block at row m sits at ring position
     position_base + (m - m_first) / BLOCK_M. Packed sequences: rows past the sequence's end (the next
@@ -375,9 +377,9 @@ def _consumer_partition(
     tile_slots,  # with DYNAMIC: where the load warp hands out tiles
     CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-    DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
-    HEAD_GROUP: gl.constexpr,
+    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr, MASK: gl.constexpr,
+    KV_REGISTERS: gl.constexpr, HEAD_GROUP: gl.constexpr,
 ):
     (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging, kv_ready, kv_free, q_ready,
      q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale,
@@ -401,21 +403,22 @@ def _consumer_partition(
                     kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size, scale,
                     qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q, k_start, seq_k,
                     seq_lo, seq_hi, sequence, ring_position, tile_count, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
-                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN,
-                    DROPOUT, MASK, KV_REGISTERS)
+                    STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI,
+                    VARLEN, DROPOUT, MASK, KV_REGISTERS)
                 tile_count += 1
             handed += 1
             tile = take_tile(tile_slots, handed)
     else:
         valid, batch, kv_head, n_block, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi, sequence = _program_tile(
-            gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN, HEAD_GROUP)
+            gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN,
+            HEAD_GROUP)
         if valid:
             _consumer_tile(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, staging,
                            kv_ready, kv_free, q_ready, q_free, ds_ready, ds_free, dk_desc, dv_desc, dq_desc, group_size,
                            scale, qk_scale, score_args, packed, batch, kv_head, n_block * BLOCK_N, q_start, seq_q,
                            k_start, seq_k, seq_lo, seq_hi, sequence, 0, 0, rng, seqlen_q, CONSUMER, CONSUMERS, BLOCK_M,
-                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI,
-                           VARLEN, DROPOUT, MASK, KV_REGISTERS)
+                           STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ, DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY,
+                           SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK, KV_REGISTERS)
     tma.store_wait(0)
 
 
@@ -426,8 +429,8 @@ def _consumer_tile(
     batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence, ring_position, tile_count,
     rng, rows_per_head, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr,
-    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-    DROPOUT: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
+    LSE_EARLY: gl.constexpr, DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
 ):
     """One consumer's 64 keys of a key block, the program's tile_count-th: dK and dV over every
     query block and query head that sees them, then their stores. Its query blocks sit at ring
@@ -515,8 +518,9 @@ def attention_backward_hopper_kernel(
     dropout_threshold, scale, qk_scale, softcap_scale, dropout_scale,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, COMPUTE_DQ: gl.constexpr, DQ_ALTERNATE: gl.constexpr, LSE_EARLY: gl.constexpr,
-    DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr,
-    DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr, HEAD_GROUP: gl.constexpr,
+    DQ_LATE: gl.constexpr, DQ_EARLY: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+    DROPOUT: gl.constexpr, DYNAMIC: gl.constexpr, MASK: gl.constexpr, KV_REGISTERS: gl.constexpr,
+    HEAD_GROUP: gl.constexpr,
 ):
     """One tile per (batch, KV head, key block of 64 x CONSUMERS keys), num_tiles of them: one
     program per tile, or with DYNAMIC persistent programs that take them from the int32 counter at
@@ -589,17 +593,19 @@ def attention_backward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
-                                    KV_REGISTERS, HEAD_GROUP)),
-             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC, HEAD_GROUP))],
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT,
+                                    DYNAMIC, MASK, KV_REGISTERS, HEAD_GROUP)),
+             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC,
+                                HEAD_GROUP))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
-                                    KV_REGISTERS, HEAD_GROUP)),
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT,
+                                    DYNAMIC, MASK, KV_REGISTERS, HEAD_GROUP)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, COMPUTE_DQ,
-                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT, DYNAMIC, MASK,
-                                    KV_REGISTERS, HEAD_GROUP)),
-             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC, HEAD_GROUP))],
+                                    DQ_ALTERNATE, LSE_EARLY, DQ_LATE, DQ_EARLY, SOFTCAP, ALIBI, VARLEN, DROPOUT,
+                                    DYNAMIC, MASK, KV_REGISTERS, HEAD_GROUP)),
+             (_load_partition, (load_args, tile_slots, BLOCK_M, STAGES, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC,
+                                HEAD_GROUP))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS))
