@@ -152,6 +152,12 @@ def test_d64_products_take_k_and_v_from_registers(backward_builds, variant, from
     assert (build["shared_a"] == 0) == from_registers
 
 
+def _kernel_constants(source) -> dict:
+    """The constexpr values of a backward compile source, by argument name."""
+    names = backward.attention_backward_hopper_kernel.arg_names
+    return {names[key[0]]: value for key, value in source.constants.items()}
+
+
 @pytest.mark.parametrize("head_dim, features, lse_early, dq_late, kv_registers", [
     (128, launch.NO_FEATURES, True, False, False), (64, launch.NO_FEATURES, False, True, True),
     (64, launch.ScoreFeatures(sinks=True), False, True, True), (128, launch.ScoreFeatures(alibi=1), False, False, False),
@@ -164,8 +170,7 @@ def test_step_order_follows_head_dim_and_score_features(head_dim, features, lse_
     schedule = backward_launch.default_backward_schedule(head_dim)
     source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, False, True, schedule,
                                                        features=features)
-    names = backward.attention_backward_hopper_kernel.arg_names
-    constants = {names[key[0]]: value for key, value in source.constants.items()}
+    constants = _kernel_constants(source)
     assert (constants["LSE_EARLY"], constants["DQ_LATE"], constants["KV_REGISTERS"]) == (lse_early, dq_late,
                                                                                          kv_registers)
 
@@ -188,6 +193,5 @@ def test_causal_key_blocks_go_in_head_groups(head_dim, has_left, has_right, varl
     schedule = backward_launch.default_backward_schedule(head_dim)
     source, _ = backward_launch.hopper_backward_source(torch.bfloat16, head_dim, has_left, has_right, schedule,
                                                        varlen=varlen)
-    names = backward.attention_backward_hopper_kernel.arg_names
-    constants = {names[key[0]]: value for key, value in source.constants.items()}
+    constants = _kernel_constants(source)
     assert constants["HEAD_GROUP"] == (schedule.head_group if grouped else 0) and schedule.head_group > 1

@@ -98,7 +98,7 @@ def _program_block(tile, num_tiles, num_kv_heads, seqlen_k, BLOCK_N: gl.constexp
 
 @gluon.jit
 def _program_tile(tile, num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N: gl.constexpr,
-                  VARLEN: gl.constexpr, HEAD_GROUP: gl.constexpr = 0):
+                  VARLEN: gl.constexpr, HEAD_GROUP: gl.constexpr):
     """``(valid, batch, kv_head, n_block, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence)``
     of tile ``tile`` of ``num_tiles``: its key block, and its sequence's start, lengths and window
     in its own rows.
