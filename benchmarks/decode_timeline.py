@@ -8,7 +8,7 @@ when it started, when its lengths arrived, when its keys were done, when its arr
 and, for the last chunk of a tile, when the merge was done. The timer buffer is passed as the
 ``Sinks`` pointer, which these calls (no sinks) do not read.
 
-    PYTHONPATH=src python benchmarks/decode_timeline.py out.json [variant,...]
+    PYTHONPATH=src python benchmarks/decode_timeline.py out.json [variant,...] [--cases B:Sk:block_n:warps:stages:splits,...]
 
 Variants are ``benchmarks/decode_merge_ab.py``'s (default: the tree's kernel). Cases: B1 Sk4096 at the heuristic's chunks and at 32, B8 Sk2048, each also with every
 length 0. The timer reads come every 256 ns (``%globaltimer``); the per-step cycle counts
@@ -74,7 +74,7 @@ def instrumented_module(name="shipped", transform=None):
                   "    _t2, _c2, _ = _clock(tl.max(lse, 0).to(tl.int32, bitcast=True))\n")
     insert_after('        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")\n',
                  "        _t3, _c3, _ = _clock(arrived)\n        _t4 = _t3 * 0\n        _c4 = _c3 * 0\n")
-    insert_after("            tl.store(Lse + index, merged_lse, mask=in_range)\n",
+    insert_after("            tl.store(Lse + merge_index, merged_lse, mask=merge_in_range)\n",
                  "            _t4, _c4, _ = _clock(tl.max(merged_lse, 0).to(tl.int32, bitcast=True))\n")
     insert_before("    else:\n        tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty), "
                   "mask=q_mask)\n",
@@ -119,7 +119,7 @@ def summarise(times):
     return result
 
 
-def case(module, batch, length, copies, empty=False, splits=0):
+def case(module, batch, length, copies, empty=False, splits=0, tiles=None):
     """Shipped kernel time, instrumented kernel time, and the instrumented timeline (median of 5 cold calls)."""
     sets = make_sets(batch, length, copies, empty)
     shipped = gpu_us(rotating([lambda s=s: fmha.flash_attn_with_kvcache(s[0], s[1], s[2], cache_seqlens=s[3])
@@ -128,8 +128,9 @@ def case(module, batch, length, copies, empty=False, splits=0):
     forward = kvcache_ops.prepared("timeline", q, k_cache, v_cache, None, None, None, None, lengths, None, None, None,
                                    None, False, (-1, -1), 0.0, False, None, 0)
     config = forward.config
-    if splits:
-        config = KVCacheConfig(config.block_m, config.block_n, config.num_warps, config.num_stages, splits)
+    if splits or tiles:  # tiles: (block_n, warps, stages)
+        block_n, warps, stages = tiles or (config.block_n, config.num_warps, config.num_stages)
+        config = KVCacheConfig(config.block_m, block_n, warps, stages, splits or config.splits, config.one_range)
     instrumented = type(forward)(forward.params, config)  # a fresh copy, not the shared one
     instrumented.attend_launch.kernel = module.kvcache_attention_kernel
     grid = instrumented.attend_launch.grid
@@ -155,13 +156,20 @@ def case(module, batch, length, copies, empty=False, splits=0):
 
 def main():
     out_path = sys.argv[1]
-    names = sys.argv[2].split(",") if len(sys.argv) > 2 else ["shipped"]
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 and not sys.argv[2].startswith("--") else ["shipped"]
+    cases = [(1, 4096, 16, 0, None), (1, 4096, 16, 32, None), (8, 2048, 4, 0, None)]
+    if "--cases" in sys.argv:  # batch:length:block_n:warps:stages:splits, comma-separated
+        cases = []
+        for spec in sys.argv[sys.argv.index("--cases") + 1].split(","):
+            batch, length, block_n, warps, stages, splits = (int(x) for x in spec.split(":"))
+            cases.append((batch, length, max(2, -(-3 * L2_BYTES // (4 * batch * length * 8 * 128))), splits,
+                          (block_n, warps, stages)))
     results = {"environment": environment(), "copy_tbps": copy_tbps(), "launch_us": launch_us(), "cases": []}
     for name in names:
         module = instrumented_module(name, VARIANTS[name])
-        for batch, length, copies, splits in ((1, 4096, 16, 0), (1, 4096, 16, 32), (8, 2048, 4, 0)):
+        for batch, length, copies, splits, tiles in cases:
             for empty in (False, True):
-                row = case(module, batch, length, copies, empty, splits)
+                row = case(module, batch, length, copies, empty, splits, tiles)
                 row["variant"] = name
                 results["cases"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "timelines"}), flush=True)

@@ -2,8 +2,10 @@
 inference issue's decode cases, SDPA flash and cuDNN as peers where they can run the same problem,
 a sweep of chunk counts and tiles, and host time per call.
 
-    PYTHONPATH=src python benchmarks/kvcache.py [out.json] [--no-host] [--small-sweep]
-    (--no-host: skip host time per call; --small-sweep: only the small cases, over more tiles and chunks)
+    PYTHONPATH=src python benchmarks/kvcache.py [out.json] [--no-host]
+        [--small-sweep [--tiles 128x8x3,...] [--shapes 8:2048,... --splits 1,2,...]]
+    (--no-host: skip host time per call; --small-sweep: only the small cases, over more tiles and chunks;
+    --tiles: the sweep's tiles as block_n x warps x stages; --shapes: dense batch:length cases instead)
 
 Cases (bf16, Hq/Hkv = 32/8, D = 128, one query per sequence):
 * dense: B32, Sk 8192 (copy floor ~358 us at 3.0 TB/s);
@@ -274,10 +276,24 @@ def main():
     ]
     if "--small-sweep" in sys.argv:  # only the small cases, over more tiles and chunk counts
         wide = [(64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 3), (32, 4, 4), (32, 4, 2), (128, 4, 3)]
+        if "--tiles" in sys.argv:  # e.g. --tiles 128x8x3,64x4x3 (block_n x warps x stages)
+            wide = [tuple(int(x) for x in tile.split("x")) for tile in sys.argv[sys.argv.index("--tiles") + 1].split(",")]
         cases = [("small B1 Sk4096", 1, 4096, [4096], "contiguous", 16, {"tiles": wide, "splits": [8, 12, 16, 24, 32]},
                   False),
-                 ("small B8 Sk2048", 8, 2048, [2048] * 8, "contiguous", 4, {"tiles": wide, "splits": [2, 3, 4, 8]},
+                 ("small B8 Sk2048", 8, 2048, [2048] * 8, "contiguous", 4, {"tiles": wide, "splits": [1, 2, 3, 4, 8]},
                   False)]
+        if "--shapes" in sys.argv:  # e.g. --shapes 4:4096,16:2048 (batch:length) --splits 1,2,4
+            splits = [int(x) for x in sys.argv[sys.argv.index("--splits") + 1].split(",")]
+            cases = []
+            for spec in sys.argv[sys.argv.index("--shapes") + 1].split(","):  # a trailing r: ragged 1k-capacity
+                batch, length = (int(x) for x in spec.rstrip("r").split(":"))
+                lengths = [length] * batch
+                if spec.endswith("r"):
+                    lengths = torch.randint(1024, length + 1, (batch,),
+                                            generator=torch.Generator().manual_seed(RAGGED_SEED)).tolist()
+                copies = max(2, -(-3 * 50 * 2**20 // (2 * batch * length * 8 * 128 * 2)))
+                cases.append((f"small B{batch} Sk{length}{' ragged' if spec.endswith('r') else ''}", batch, length,
+                              lengths, "contiguous", copies, {"tiles": wide, "splits": splits}, False))
     rows = []
     for label, batch, capacity, lengths, layout, copies, sweep, peers in cases:
         try:
@@ -313,7 +329,8 @@ def main():
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "fmha": fmha.__version__, "copy_TBps": copy_rate, "launch_us": launch, "ragged_lengths": ragged, "rows": rows,
             "decode_step": step, "host_us": hosts, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+    values = {sys.argv.index(option) + 1 for option in ("--tiles", "--shapes", "--splits") if option in sys.argv}
+    paths = [arg for index, arg in enumerate(sys.argv) if index and not arg.startswith("--") and index not in values]
     if paths:
         with open(paths[0], "w") as handle:
             json.dump(info, handle, indent=1)

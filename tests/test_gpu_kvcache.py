@@ -103,9 +103,9 @@ def test_decode_suite_shape_gpu():
     check(case)
 
 
-@pytest.mark.parametrize("batch, capacity", [(1, 4096), (8, 2048)])
+@pytest.mark.parametrize("batch, capacity", [(1, 4096), (4, 4096)])
 def test_small_batch_merge_is_deterministic_gpu(batch, capacity):
-    """The issue's small decode shapes (many chunks per KV head): the chunk that finishes last
+    """Small decode batches (many chunks per KV head; B8 takes one chunk): the chunk that finishes last
     merges all of them in chunk order, so 50 calls give the same bits, and the arrival counters
     are zero after each."""
     case = random_kvcache(batch, 1, 32, 8, 128, capacity, new_keys=0, dtype=torch.bfloat16, device="cuda",

@@ -9,8 +9,9 @@ import triton
 
 import fmha
 from fmha import kvcache_ops
-from fmha.backends.triton.config import KVCacheConfig
+from fmha.backends.triton.config import KVCacheConfig, kvcache_config
 from fmha.backends.triton.kvcache_launch import _Launch
+from fmha.kvcache_params import kvcache_params
 from fmha.testing import check_kvcache, random_kvcache
 
 pytestmark = pytest.mark.interpreter
@@ -40,6 +41,30 @@ def test_several_queries_and_splits(num_splits, causal):
     """Speculative decoding / chunked prefill: Sq > 1 bottom-right aligned to each sequence's keys."""
     case = kvcache_case(seqlen_q=5, new_keys=5, q_heads=6, kv_heads=2, dtype=torch.float32, lengths=[0, 17, 60])
     check(case, causal=causal, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("batch, capacity, splits, block_n", [
+    (1, 4096, 16, 64), (4, 8192, 4, 64), (8, 2048, 1, 128), (8, 8192, 2, 64), (16, 4096, 1, 64), (32, 8192, 6, 64)])
+def test_decode_plans_for_an_h100(batch, capacity, splits, block_n):
+    """Bf16 decode, Hq/Hkv 32/8, D 128, on 132 multiprocessors: up to one program per multiprocessor
+    (never a second wave); one chunk of 128-key blocks where a chunk each fills a third to a half of
+    them; a full GPU cuts the capacity into chunks of about 1,536 keys for ragged lengths."""
+    params = kvcache_params("test", torch.empty(batch, 1, 32, 128, dtype=torch.bfloat16),
+                            *(torch.empty(batch, capacity, 8, 128, dtype=torch.bfloat16) for _ in range(2)),
+                            None, None, None, None, torch.full((batch,), capacity, dtype=torch.int32), None, None,
+                            None, None, False, (-1, -1), 0.0, False, None, 0)
+    config = kvcache_config(params, 132)
+    assert (config.splits, config.block_n) == (splits, block_n)
+
+
+def test_a_merge_over_several_groups_of_chunks():
+    """D = 128 with 16 packed rows loads four chunks' partials at a time, so nine chunks merge in three
+    groups, some of them seen by no row (the first sequence is empty, the second shorter than a chunk)."""
+    case = kvcache_case(seqlen_q=4, new_keys=4, q_heads=8, kv_heads=2, head_dim=128, capacity=144,
+                        dtype=torch.float32, lengths=[0, 9, 130])
+    forward = _prepared(case, causal=True, num_splits=9)
+    assert forward.attend_launch.constants["MERGE_CHUNKS"] == 4 and forward.splits == 9
+    check(case, causal=True, num_splits=9)
 
 
 @pytest.mark.parametrize("page_size", [None, 24])

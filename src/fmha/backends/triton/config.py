@@ -100,28 +100,47 @@ class KVCacheConfig:
 
 
 # Chunks of about this many keys spread ragged lengths evenly over the GPU (H100, B32 Hkv8, lengths
-# 1k-8k: 6 chunks of 1408 keys were best of 1-16 for contiguous, page-256 and page-16 caches);
-# a grid smaller than the GPU is cut further, but a chunk keeps at least this many key blocks.
+# 1k-8k: 6 chunks of 1408 keys were best of 1-16 for contiguous, page-256 and page-16 caches).
 KVCACHE_CHUNK_KEYS = 1536
-KVCACHE_MIN_CHUNK_BLOCKS = 5  # H100 B1 Sk4096: 11 chunks 14.4-14.8 us, 10 (at 6) 14.6-15.0, two runs
+# A grid under one program per multiprocessor is cut into chunks up to that count, and chunks of
+# at most this many keys, each at least KVCACHE_MIN_CHUNK_BLOCKS key blocks (docs/perf.md, session 22).
+KVCACHE_SMALL_GRID_CHUNK_KEYS = 4096
+KVCACHE_MIN_CHUNK_BLOCKS = 4
+
+
+def _kvcache_splits(programs: int, capacity: int, key_blocks: int, multiprocessors: int) -> int:
+    """Chunks of the cache's capacity for ``programs`` (batch, KV head, packed block) tiles."""
+    if programs >= multiprocessors:  # the GPU is full: chunks balance ragged lengths
+        return -(-capacity // KVCACHE_CHUNK_KEYS)
+    # At most one program per multiprocessor: a second wave ran behind the first (H100 B8 Sk2048:
+    # 3 chunks 31.4 us, 2 chunks 28.4).
+    splits = max(multiprocessors // programs, -(-capacity // KVCACHE_SMALL_GRID_CHUNK_KEYS))
+    splits = min(splits, key_blocks // KVCACHE_MIN_CHUNK_BLOCKS)
+    if splits == 2 and 3 * programs > multiprocessors and capacity <= KVCACHE_SMALL_GRID_CHUNK_KEYS:
+        # A third of the GPU or more streams one chunk each: the merge costs more than the other
+        # multiprocessors give (B8 Sk2048 / Sk4096: one chunk 26.7 / 48.8 us, two 28.4 / 50.2).
+        splits = 1
+    return max(1, splits)
 
 
 def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     """Tiles and chunks for a ``flash_attn_with_kvcache`` call (``params``: fmha.kvcache_params.KVCacheParams).
 
-    The lengths live on the device, so the chunks are planned for the cache's capacity: chunks of
-    about KVCACHE_CHUNK_KEYS keys, or more when the (batch, KV head, packed block) programs are
-    fewer than the multiprocessors: then about one program per multiprocessor, each chunk at least
-    KVCACHE_MIN_CHUNK_BLOCKS key blocks. Chunks past a sequence's length cost an empty program.
-    ``params.num_splits`` > 0 asks for that many chunks. A grid under two programs per
-    multiprocessor pipelines three key blocks deep instead of two (H100: B1 and B8 decode 5-15% faster).
-    Small grids of decode tiles that do not append walk each tile's keys in one masked loop
+    The lengths live on the device, so the chunks are planned for the cache's capacity
+    (:func:`_kvcache_splits`): a full GPU takes chunks of about KVCACHE_CHUNK_KEYS keys; a grid of
+    fewer programs than multiprocessors is cut into up to one program per multiprocessor.
+    Chunks past a sequence's length cost an empty program. ``params.num_splits`` > 0 asks for that
+    many chunks. A grid under two programs per multiprocessor pipelines three key blocks deep
+    instead of two (H100: B1 and B8 decode 5-15% faster), and one chunk per tile on at most half the
+    multiprocessors streams 128-key blocks (more bytes in flight: B8 Sk2048 26.7 us, 64-key blocks
+    35.1; B16 Sk4096 92.5 against 89.8). Small grids of decode tiles that do not append walk each tile's keys in one masked loop
     (``one_range``; docs/perf.md, session 19).
     """
     block_d = padded_head_dim(params.head_dim)
     packed_rows = params.group * params.seqlen_q
     block_m = max(16, min(64, triton.next_power_of_2(packed_rows)))
     num_warps = 4
+    prefill = False
     if multiprocessors < 8:  # the interpreter: small tiles
         block_n = 16
     else:
@@ -132,15 +151,17 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
             # Chunked prefill: compute-bound, larger tiles (H100, 4 x 512 queries over 4096 keys:
             # 181 -> 262 TFLOP/s; docs/perf.md).
             block_m, block_n, num_warps = 128, 128, 8
+            prefill = True
     key_blocks = max(1, -(-params.capacity // block_n))
     programs = params.batch * params.kv_heads * -(-packed_rows // block_m)
     if params.num_splits > 0:
         splits = params.num_splits
     else:
-        splits = max(-(-params.capacity // KVCACHE_CHUNK_KEYS),
-                     min(multiprocessors // max(programs, 1), key_blocks // KVCACHE_MIN_CHUNK_BLOCKS))
+        splits = _kvcache_splits(programs, params.capacity, key_blocks, multiprocessors)
     splits = max(1, min(splits, key_blocks))
     small_grid = programs * splits < 2 * multiprocessors
+    if splits == 1 and 2 * programs <= multiprocessors and block_n == 64 and not prefill:
+        block_n = 128
     num_stages = 3 if small_grid or block_m == 128 else 2
     # One loop saves a short call the code of two more pipelined loops, run once per program; large
     # grids are bandwidth-bound, and there the masks cost paged caches. Prefill tiles (compute-bound)

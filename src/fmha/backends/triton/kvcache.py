@@ -364,7 +364,7 @@ def kvcache_attention_kernel(
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_ROWS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, VARLEN_Q: tl.constexpr,
-    ONE_RANGE: tl.constexpr,
+    ONE_RANGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
 ):
     """Program (batch * KV head, chunk, packed block) over keys [chunk * split, chunk * (split + 1)).
 
@@ -374,8 +374,9 @@ def kvcache_attention_kernel(
     ``SPLIT``: each chunk writes ``PartialOut[split, row]`` and ``PartialLse`` (log2 units), rows
     numbered as in ``Lse``, then counts itself in ``Arrivals[program_id(0), program_id(2)]``
     (int32, zero before the launch); the last chunk of the tile to arrive merges all of them in
-    chunk order into ``Out`` and ``Lse`` and sets its counter back to zero (so the next launch, a
-    CUDA graph's replay included, finds zeros). The merge reads only the stored partials in a fixed
+    chunk order into ``Out`` and ``Lse`` (the tile's rows, padded to MERGE_ROWS ≤ BLOCK_M, with
+    MERGE_CHUNKS chunks loaded at a time: :func:`fmha.backends.triton.split_kv.merge_chunks`) and sets its counter back to zero (so
+    the next launch, a CUDA graph's replay included, finds zeros). The merge reads only the stored partials in a fixed
     order, so the result does not depend on which chunk is last. Else ``Out`` and ``Lse`` directly.
     Row i of head h of sequence b is ``Out[b, q_start + i, h]`` and ``Lse[b · stride_lb + h · stride_lh
     + q_start + i]``: q_start is 0 for (B, Sq, Hq, D) queries.
@@ -454,13 +455,22 @@ def kvcache_attention_kernel(
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == tl.num_programs(1) - 1:
             tl.store(counter, 0)
-            merged, merged_lse = merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, tl.num_programs(1),
-                                              offs_d, HEAD_DIM, ".cg")
+            # MERGE_ROWS covers the tile's packed rows (a decode tile's BLOCK_M rows are mostly padding).
+            packed = tile * BLOCK_M + tl.arange(0, MERGE_ROWS)
+            merge_in_range = packed < group_size * seqlen_q
+            merge_rows = packed // group_size
+            merge_heads = kv_head * group_size + packed % group_size
+            merge_index = batch.to(tl.int64) * stride_lb + merge_heads.to(tl.int64) * stride_lh + q_start + merge_rows
+            merged, merged_lse = merge_chunks(PartialOut, PartialLse, merge_index, merge_in_range, num_rows,
+                                              tl.num_programs(1), offs_d, HEAD_DIM, MERGE_CHUNKS, ".cg")
             if SINKS:
-                merged, merged_lse = _with_sinks(merged, merged_lse * LOG2_E, Sinks, heads, stride_sh)
+                merged, merged_lse = _with_sinks(merged, merged_lse * LOG2_E, Sinks, merge_heads, stride_sh)
                 merged_lse = merged_lse * LN_2
-            tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, merged.to(Out.dtype.element_ty), mask=q_mask)
-            tl.store(Lse + index, merged_lse, mask=in_range)
+            merge_out = (Out + batch.to(tl.int64) * stride_ob + (q_start + merge_rows).to(tl.int64) * stride_om
+                         + merge_heads.to(tl.int64) * stride_oh)
+            tl.store(merge_out[:, None] + offs_d[None, :] * stride_od, merged.to(Out.dtype.element_ty),
+                     mask=merge_in_range[:, None] & (offs_d[None, :] < HEAD_DIM))
+            tl.store(Lse + merge_index, merged_lse, mask=merge_in_range)
     else:
         tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty), mask=q_mask)
         tl.store(Lse + index, lse * LN_2, mask=in_range)

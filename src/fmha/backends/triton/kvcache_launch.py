@@ -20,6 +20,7 @@ from .forward import LOG2_E
 from .kvcache import kvcache_attention_kernel
 from .launch import dot_precision, softcap_tanh
 from .scores import NO_SOFTCAP
+from .split_kv import merge_group
 
 
 class _Launch:
@@ -88,6 +89,7 @@ class KVCacheForward:
         self.device_index = p.device.index if p.device.type == "cuda" else None
 
         block_d = padded_head_dim(p.head_dim)
+        merge_rows = min(config.block_m, triton.next_power_of_2(max(packed_rows, 1)))  # a tile's packed rows
         self.attend_launch = _Launch(
             kvcache_attention_kernel, (p.batch * p.kv_heads, self.splits, max(1, -(-packed_rows // config.block_m))),
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -98,7 +100,8 @@ class KVCacheForward:
                  SPLIT=self.splits > 1, DOT_PRECISION=dot_precision(p.dtype),
                  FUSED_SCALE=p.scale > 0 and not p.softcap and not p.alibi, DOT_FP32=interpreter_upcasts(p.dtype),
                  SOFTCAP=softcap_tanh(p) if p.softcap else NO_SOFTCAP, ALIBI=bool(p.alibi), SINKS=p.has_sinks,
-                 VARLEN_Q=p.varlen, ONE_RANGE=config.one_range),
+                 VARLEN_Q=p.varlen, ONE_RANGE=config.one_range, MERGE_ROWS=merge_rows,
+                 MERGE_CHUNKS=merge_group(merge_rows, block_d, config.num_warps, self.splits)),
             config.num_warps, config.num_stages)
         # Split: one arrival counter per (batch and KV head, packed block), zeros between launches
         # (the last chunk to arrive resets its own); made by the first call. Shared by the calls of

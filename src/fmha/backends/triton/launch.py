@@ -23,10 +23,10 @@ from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatu
 from .forward import LOG2_E, attention_forward_kernel
 from .scores import (BOOL_MASK, DRAW_BITS, EXACT_TANH, FAST_TANH, FLOAT_MASK, NO_MASK, NO_SOFTCAP,
                      dropout_mask_kernel)
-from .split_kv import attention_split_kv_kernel, split_kv_combine_kernel
+from .split_kv import attention_split_kv_kernel, merge_group, split_kv_combine_kernel
 from .varlen import varlen_schedule_kernel
 
-SPLIT_KV_COMBINE_ROWS = 16
+SPLIT_KV_COMBINE_ROWS = 4  # few rows a program: many chunks of each loaded at once
 DRAW_LEVELS = 1 << DRAW_BITS.value  # the values of a dropout draw
 
 
@@ -334,7 +334,8 @@ class SplitKVForward:
         self.constants = (
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype)),
-            dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS))
+            dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS,
+                 CHUNKS=merge_group(SPLIT_KV_COMBINE_ROWS, block_d, 4, splits)))
         self.integers = ((num_rows, p.kv_heads, p.group, p.seqlen_q, p.seqlen_k, lo, hi,
                           p.options.scale * LOG2_E, self.chunk), (num_rows, p.q_heads, p.seqlen_q, splits))
         self.compiled = None

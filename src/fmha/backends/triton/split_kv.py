@@ -26,35 +26,48 @@ from .scores import NO_MASK
 
 @triton.jit
 def merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, num_splits, offs_d,
-                 HEAD_DIM: tl.constexpr, CACHE_MODIFIER: tl.constexpr):
-    """Rows ``index`` (flattened (batch, head, i)) merged over the chunks, one pass in chunk order
-    (a running max, as the forward's online softmax): the exact softmax over all keys,
-    ``(out [rows, BLOCK_D] f32, lse [rows] f32 natural log)``. A row that saw no key in any chunk
-    gets zeros and -inf. ``CACHE_MODIFIER`` ".cg" reads past the L1 (other programs of the same
-    launch wrote the partials)."""
-    mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
+                 HEAD_DIM: tl.constexpr, CHUNKS: tl.constexpr, CACHE_MODIFIER: tl.constexpr):
+    """Rows ``index`` (flattened (batch, head, i)) merged over the chunks, in groups of ``CHUNKS``
+    (a power of two) in chunk order, a running max across the groups (as the forward's online
+    softmax): the exact softmax over all keys, ``(out [rows, BLOCK_D] f32, lse [rows] f32 natural
+    log)``. A row that saw no key in any chunk gets zeros and -inf. A group's partials are loaded
+    at once, so the merge waits one L2 round trip per group rather than one per chunk. The sum
+    over a group is a fixed tree: the result depends only on the stored partials. ``CACHE_MODIFIER``
+    ".cg" reads past the L1 (other programs of the same launch wrote the partials)."""
+    d_in_range = (offs_d < HEAD_DIM)[None, None, :]
     row_max = tl.full(index.shape, float("-inf"), dtype=tl.float32)
     total = tl.zeros(index.shape, dtype=tl.float32)
     acc = tl.zeros([index.shape[0], offs_d.shape[0]], dtype=tl.float32)
-    # Pipelined: the next chunks' loads are in flight during this one's fold (H100, B1 decode over
-    # 11 chunks: the merge waited one L2 round trip per chunk).
-    for split in tl.range(0, num_splits, num_stages=3):
-        rows = tl.cast(split, tl.int64) * num_rows + index
-        lse = tl.load(PartialLse + rows, mask=in_range, other=float("-inf"), cache_modifier=CACHE_MODIFIER)
-        part = tl.load(PartialOut + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0,
-                       cache_modifier=CACHE_MODIFIER)
-        new_max = tl.maximum(row_max, lse)
+    for first in range(0, num_splits, CHUNKS):
+        chunks = first + tl.arange(0, CHUNKS)
+        live = (chunks < num_splits)[:, None] & in_range[None, :]  # [CHUNKS, rows]
+        rows = chunks.to(tl.int64)[:, None] * num_rows + index[None, :]
+        lse = tl.load(PartialLse + rows, mask=live, other=float("-inf"), cache_modifier=CACHE_MODIFIER)
+        part = tl.load(PartialOut + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                       mask=live[:, :, None] & d_in_range, other=0.0, cache_modifier=CACHE_MODIFIER)
+        new_max = tl.maximum(row_max, tl.max(lse, 0))
         new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # exp2(-inf - 0) = 0, never NaN
         rescale = tl.math.exp2(row_max - new_max_safe)
-        weight = tl.math.exp2(lse - new_max_safe)
-        total = total * rescale + weight
-        acc = acc * rescale[:, None] + weight[:, None] * part
+        weight = tl.math.exp2(lse - new_max_safe[None, :])
+        total = total * rescale + tl.sum(weight, 0)
+        acc = acc * rescale[:, None] + tl.sum(weight[:, :, None] * part, 0)
         row_max = new_max
     seen = total > 0.0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
     lse = tl.where(seen, (max_safe + tl.math.log2(tl.where(seen, total, 1.0))) * LN_2, float("-inf"))
     return out, lse
+
+
+def merge_group(rows: int, block_d: int, num_warps: int, splits: int) -> int:
+    """Chunks :func:`merge_chunks` loads at once: a power of two, at most ``splits`` rounded up, and
+    ``rows · block_d`` float32 values per chunk within about 64 registers a thread. Tiles of more
+    than 16 rows (prefill: compute-bound, few chunks) take one chunk at a time: CUDA 13's ptxas
+    crashed on a merge of 2 chunks x 128 rows x 64 columns (H100, triton 3.6)."""
+    if rows > 16:
+        return 1
+    budget = 64 * 32 * num_warps // (rows * block_d)
+    return max(1, min(triton.next_power_of_2(max(splits, 1)), triton.next_power_of_2(budget + 1) // 2))
 
 
 @triton.jit
@@ -126,14 +139,16 @@ def split_kv_combine_kernel(
     PartialOut, PartialLse, Out, Lse,
     stride_ob, stride_oh, stride_om, stride_od,
     num_rows, num_q_heads, seqlen_q, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, CHUNKS: tl.constexpr,
 ):
-    """Rows (batch, head, i) flattened: the exact softmax over all chunks, into Out and Lse."""
+    """Rows (batch, head, i) flattened: the exact softmax over all chunks (``CHUNKS`` loaded at
+    once), into Out and Lse."""
     index = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     in_range = index < num_rows
     offs_d = tl.arange(0, BLOCK_D)
     mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)
-    out, lse = merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, num_splits, offs_d, HEAD_DIM, "")
+    out, lse = merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, num_splits, offs_d, HEAD_DIM, CHUNKS,
+                            "")
     batch = index // (num_q_heads * seqlen_q)
     head = index // seqlen_q % num_q_heads
     row = index % seqlen_q
