@@ -9,8 +9,9 @@ median): B1 H32/8 Sk4096, B8 H32/8 Sk2048 (both also with every length 0), dense
 variant's output is checked against the tree's own kernel.
 
 The transformations were written for the kernel as of commit 12348e2 (three key ranges per tile,
-the merge loop not pipelined); the tree now ships ``one_loop`` (for decode tiles) and the
-pipelined merge, so rerun them on that commit's ``kvcache.py`` and ``split_kv.py``.
+the merge loop not pipelined); the tree now ships ``one_loop`` (for decode tiles) and a merge that
+loads groups of chunks at once, so rerun them on that commit's ``kvcache.py`` and ``split_kv.py``.
+``prefetch_l2`` applies to the tree's kernel.
 
     PYTHONPATH=src python benchmarks/decode_merge_ab.py out.json [variant,variant,...]
 """
@@ -108,12 +109,15 @@ def merge_variant(merge_source, unroll=0):
 
 def merge_loop(loop):
     """The tree's own ``merge_chunks`` (fmha/backends/triton/split_kv.py) with its loop header
-    replaced by ``loop``, e.g. ``tl.range(0, num_splits, num_stages=3)``."""
-    text = (Path(fmha.__file__).parent / "backends" / "triton" / "split_kv.py").read_text()
-    start = text.index("@triton.jit\ndef merge_chunks(")
-    source = text[start:text.index("\n\n\n", start)]
-    header = re.search(r"\n    for split in .*:\n", source).group(0)
-    return merge_variant(source.replace(header, f"\n    for split in {loop}:\n"))
+    replaced by ``loop``, e.g. ``tl.range(0, num_splits, num_stages=3)`` (read when applied: the
+    merge of commit 12348e2 loops over ``split``)."""
+    def transform(text):
+        split_kv = (Path(fmha.__file__).parent / "backends" / "triton" / "split_kv.py").read_text()
+        start = split_kv.index("@triton.jit\ndef merge_chunks(")
+        source = split_kv[start:split_kv.index("\n\n\n", start)]
+        header = re.search(r"\n    for split in .*:\n", source).group(0)
+        return merge_variant(source.replace(header, f"\n    for split in {loop}:\n"))(text)
+    return transform
 
 
 FIRST_CALL = "    acc, row_sum, row_max = _attend_cache_blocks(\n"
@@ -153,7 +157,30 @@ def plain_merge_loads(text):
     return text.replace(anchor, 'offs_d, HEAD_DIM, "")')
 
 
-VARIANTS = {"shipped": None, "one_loop": one_loop, "plain_merge_loads": plain_merge_loads,
+# The chunk's first two key blocks of K and V asked of the L2 before the lengths arrive (a
+# contiguous cache; the loads wait for the lengths, which bound the keys).
+PREFETCH_L2 = """
+    if PAGE_SIZE == 0 and not HAS_BATCH_IDX and not HAS_LEFTPAD and not VARLEN_Q:
+        _keys = split * chunk + tl.arange(0, 2 * BLOCK_N)
+        _lines = tl.arange(0, 2) * 64
+        _wanted = ((_keys < capacity)[:, None] & (_lines < HEAD_DIM)[None, :]).to(tl.int32)
+        _k = (KCache + (batch.to(tl.int64) * stride_kb + _keys.to(tl.int64) * stride_kn
+                        + kv_head.to(tl.int64) * stride_kh)[:, None] + _lines[None, :] * stride_kd)
+        _v = (VCache + (batch.to(tl.int64) * stride_vb + _keys.to(tl.int64) * stride_vn
+                        + kv_head.to(tl.int64) * stride_vh)[:, None] + _lines[None, :] * stride_vd)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p prefetch.global.L2 [$1]; @p prefetch.global.L2 [$2]; "
+            "mov.u32 $0, 0; }", "=r,l,l,r", [_k, _v, _wanted], dtype=tl.int32, is_pure=False, pack=1)
+"""
+
+
+def prefetch_l2(text):
+    anchor = "    tile = tl.program_id(2)\n    offs_d = tl.arange(0, BLOCK_D)\n"
+    assert text.count(anchor) == 1
+    return text.replace(anchor, anchor + PREFETCH_L2)
+
+
+VARIANTS = {"shipped": None, "prefetch_l2": prefetch_l2, "one_loop": one_loop, "plain_merge_loads": plain_merge_loads,
             "unrolled4": merge_loop("tl.range(0, num_splits, loop_unroll_factor=4)"),
             "unrolled8": merge_loop("tl.range(0, num_splits, loop_unroll_factor=8)"),
             "two_phase4": merge_variant(TWO_PHASE, 4), "two_phase8": merge_variant(TWO_PHASE, 8),
