@@ -133,14 +133,13 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     many chunks. A grid under two programs per multiprocessor pipelines three key blocks deep
     instead of two (H100: B1 and B8 decode 5-15% faster), and one chunk per tile on at most half the
     multiprocessors streams 128-key blocks (more bytes in flight: B8 Sk2048 26.7 us, 64-key blocks
-    35.1; B16 Sk4096 92.5 against 89.8). Small grids of decode tiles that do not append walk each tile's keys in one masked loop
-    (``one_range``; docs/perf.md, session 19).
+    35.1; B16 Sk4096 92.5 against 89.8). Small grids of decode tiles that do not append walk each
+    tile's keys in one masked loop (``one_range``; docs/perf.md, session 19).
     """
     block_d = padded_head_dim(params.head_dim)
     packed_rows = params.group * params.seqlen_q
     block_m = max(16, min(64, triton.next_power_of_2(packed_rows)))
     num_warps = 4
-    prefill = False
     if multiprocessors < 8:  # the interpreter: small tiles
         block_n = 16
     else:
@@ -151,7 +150,6 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
             # Chunked prefill: compute-bound, larger tiles (H100, 4 x 512 queries over 4096 keys:
             # 181 -> 262 TFLOP/s; docs/perf.md).
             block_m, block_n, num_warps = 128, 128, 8
-            prefill = True
     key_blocks = max(1, -(-params.capacity // block_n))
     programs = params.batch * params.kv_heads * -(-packed_rows // block_m)
     if params.num_splits > 0:
@@ -160,7 +158,7 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
         splits = _kvcache_splits(programs, params.capacity, key_blocks, multiprocessors)
     splits = max(1, min(splits, key_blocks))
     small_grid = programs * splits < 2 * multiprocessors
-    if splits == 1 and 2 * programs <= multiprocessors and block_n == 64 and not prefill:
+    if splits == 1 and 2 * programs <= multiprocessors and block_n == 64:  # a bf16/fp16 decode tile
         block_n = 128
     num_stages = 3 if small_grid or block_m == 128 else 2
     # One loop saves a short call the code of two more pipelined loops, run once per program; large

@@ -239,6 +239,13 @@ def _attend_cache_blocks(
 
 
 @triton.jit
+def _packed_rows(packed, packed_rows, group_size, kv_head):
+    """Packed rows ``packed`` of a KV head's (query position, query head) tile: ``(in_range, rows,
+    heads)``, rows the query positions."""
+    return packed < packed_rows, packed // group_size, kv_head * group_size + packed % group_size
+
+
+@triton.jit
 def _with_sinks(out, lse, Sinks, heads, stride_sh):
     """Rows normalised over all their keys (``out``, ``lse`` in log2 units) renormalised with each
     head's sink in the denominator: ``lse' = log2(2^lse + 2^sink)``, ``out' = out · 2^(lse - lse')``.
@@ -269,10 +276,7 @@ def _attend_tile(
     keys and lse in log2 units (-inf and zeros for rows that saw none). ``ONE_RANGE``: every block
     masked, in one loop, instead of the masked edges and the whole blocks apart."""
     packed_rows = group_size * seqlen_q
-    packed = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_range = packed < packed_rows
-    rows = packed // group_size  # query positions
-    heads = kv_head * group_size + packed % group_size
+    in_range, rows, heads = _packed_rows(tile * BLOCK_M + tl.arange(0, BLOCK_M), packed_rows, group_size, kv_head)
     offs_d = tl.arange(0, BLOCK_D)
     slopes = 0.0
     if ALIBI:  # log2 units, one per row's head
@@ -375,9 +379,10 @@ def kvcache_attention_kernel(
     numbered as in ``Lse``, then counts itself in ``Arrivals[program_id(0), program_id(2)]``
     (int32, zero before the launch); the last chunk of the tile to arrive merges all of them in
     chunk order into ``Out`` and ``Lse`` (the tile's rows, padded to MERGE_ROWS ≤ BLOCK_M, with
-    MERGE_CHUNKS chunks loaded at a time: :func:`fmha.backends.triton.split_kv.merge_chunks`) and sets its counter back to zero (so
-    the next launch, a CUDA graph's replay included, finds zeros). The merge reads only the stored partials in a fixed
-    order, so the result does not depend on which chunk is last. Else ``Out`` and ``Lse`` directly.
+    MERGE_CHUNKS chunks loaded at a time: :func:`fmha.backends.triton.split_kv.merge_chunks`) and
+    sets its counter back to zero (so the next launch, a CUDA graph's replay included, finds
+    zeros). The merge reads only the stored partials in a fixed order, so the result does not
+    depend on which chunk is last. Else ``Out`` and ``Lse`` directly.
     Row i of head h of sequence b is ``Out[b, q_start + i, h]`` and ``Lse[b · stride_lb + h · stride_lh
     + q_start + i]``: q_start is 0 for (B, Sq, Hq, D) queries.
 
@@ -456,10 +461,8 @@ def kvcache_attention_kernel(
         if arrived == tl.num_programs(1) - 1:
             tl.store(counter, 0)
             # MERGE_ROWS covers the tile's packed rows (a decode tile's BLOCK_M rows are mostly padding).
-            packed = tile * BLOCK_M + tl.arange(0, MERGE_ROWS)
-            merge_in_range = packed < group_size * seqlen_q
-            merge_rows = packed // group_size
-            merge_heads = kv_head * group_size + packed % group_size
+            merge_in_range, merge_rows, merge_heads = _packed_rows(tile * BLOCK_M + tl.arange(0, MERGE_ROWS),
+                                                                   group_size * seqlen_q, group_size, kv_head)
             merge_index = batch.to(tl.int64) * stride_lb + merge_heads.to(tl.int64) * stride_lh + q_start + merge_rows
             merged, merged_lse = merge_chunks(PartialOut, PartialLse, merge_index, merge_in_range, num_rows,
                                               tl.num_programs(1), offs_d, HEAD_DIM, MERGE_CHUNKS, ".cg")
