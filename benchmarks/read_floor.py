@@ -11,7 +11,9 @@ meets it.
     PYTHONPATH=src python benchmarks/read_floor.py out.json [--heads]
 
 ``--heads`` reads the same bytes in the decode's pattern instead: a program per (KV head, chunk of
-keys), each key's row of one head (256 bytes at D = 128) 2 KB from the next.
+keys), each key's row of one head (256 bytes at D = 128) 2 KB from the next. ``--tma`` reads that
+pattern both with pointer loads and through tensor descriptors (the bulk copy engine), a program
+per (sequence, KV head, chunk) as the decode runs them.
 """
 
 import json
@@ -62,6 +64,69 @@ def read_heads_kernel(K, V, Sums, seqlen, chunk, row_stride, HEAD_DIM: tl.conste
     tl.store(Sums + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(total, 1), 0))
 
 
+@triton.jit
+def read_heads_tma_kernel(K, V, Sums, seqlen, chunk, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    """read_heads_kernel's pattern through tensor descriptors over the (B·S, Hkv·D) cache: program
+    (sequence · Hkv + head, chunk) reads keys [chunk_start, chunk_start + chunk) of its sequence."""
+    sequence_head = tl.program_id(0)
+    row0 = (sequence_head // HEADS) * seqlen
+    column = (sequence_head % HEADS) * HEAD_DIM
+    start = tl.program_id(1) * chunk
+    total = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for first in tl.range(start, tl.minimum(start + chunk, seqlen), BLOCK_N, num_stages=STAGES):
+        total += K.load([row0 + first, column]).to(tl.float32)
+        total += V.load([row0 + first, column]).to(tl.float32)
+    tl.store(Sums + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(total, 1), 0))
+
+
+def tma_pattern(copy_rate, launch):
+    """The decode's pattern, a program per (sequence, KV head, chunk), with pointer loads and with
+    tensor descriptors, B1 Sk4096 and B8 Sk2048."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = []
+    for batch, seqlen in ((1, 4096), (8, 2048)):
+        kv_bytes = 2 * batch * seqlen * KV_HEADS * HEAD_DIM * 2
+        copies = max(2, -(-3 * L2_BYTES // kv_bytes))
+        caches = [tuple(torch.randn(batch * seqlen, KV_HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2)) for _ in range(copies)]
+        floor_and_launch = kv_bytes / copy_rate / 1e6 + launch
+        for chunks in (1, 2, 4, 8, 16, 32):
+            chunk = -(-seqlen // chunks)
+            programs = batch * KV_HEADS * chunks
+            if programs > 2048:
+                continue
+            for block_n, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3),
+                                           (64, 4, 6)):
+                if chunk < block_n:
+                    continue
+                sums = torch.empty(programs, device="cuda", dtype=torch.float32)
+                reference = None
+                for kind in ("pointers", "tma"):
+                    if kind == "tma":
+                        descriptors = [tuple(TensorDescriptor.from_tensor(t, [block_n, HEAD_DIM]) for t in pair)
+                                       for pair in caches]
+                        calls = [lambda k=k, v=v: read_heads_tma_kernel[(batch * KV_HEADS, chunks)](
+                            k, v, sums, seqlen, chunk, HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_N=block_n, STAGES=stages,
+                            num_warps=warps) for k, v in descriptors]
+                    else:
+                        calls = [lambda k=k, v=v: read_heads_kernel[(KV_HEADS, chunks * batch)](
+                            k, v, sums, seqlen * batch, chunk, KV_HEADS * HEAD_DIM, HEAD_DIM=HEAD_DIM,
+                            BLOCK_N=block_n, num_warps=warps, num_stages=stages) for k, v in caches]
+                    for call in calls:
+                        call()
+                    total = sums.sum().item()
+                    reference = total if reference is None else reference
+                    us = gpu_us(rotating(calls))
+                    rows.append({"pattern": kind, "batch": batch, "seqlen": seqlen, "programs": programs,
+                                 "block_n": block_n, "warps": warps, "stages": stages, "us": us,
+                                 "vs_floor_and_launch": us / floor_and_launch,
+                                 "sum_matches": abs(total - reference) <= 1e-3 * abs(reference) + 1.0})
+                    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def heads_pattern(copy_rate, launch):
     """read_heads_kernel over B1 Sk4096 and B8 Sk2048 (Hkv 8, D 128): chunk counts, key blocks, warps, stages."""
     rows = []
@@ -97,6 +162,12 @@ def heads_pattern(copy_rate, launch):
 
 def main():
     out_path = sys.argv[1]
+    if "--tma" in sys.argv:
+        copy_rate, launch = copy_tbps(), launch_us()
+        Path(out_path).write_text(json.dumps({"environment": environment(), "copy_tbps": copy_rate,
+                                              "launch_us": launch, "rows": tma_pattern(copy_rate, launch)},
+                                             indent=1))
+        return
     if "--heads" in sys.argv:
         copy_rate, launch = copy_tbps(), launch_us()
         Path(out_path).write_text(json.dumps({"environment": environment(), "copy_tbps": copy_rate,
