@@ -162,17 +162,11 @@ def heads_pattern(copy_rate, launch):
 
 def main():
     out_path = sys.argv[1]
-    if "--tma" in sys.argv:
+    pattern = tma_pattern if "--tma" in sys.argv else heads_pattern if "--heads" in sys.argv else None
+    if pattern is not None:
         copy_rate, launch = copy_tbps(), launch_us()
         Path(out_path).write_text(json.dumps({"environment": environment(), "copy_tbps": copy_rate,
-                                              "launch_us": launch, "rows": tma_pattern(copy_rate, launch)},
-                                             indent=1))
-        return
-    if "--heads" in sys.argv:
-        copy_rate, launch = copy_tbps(), launch_us()
-        Path(out_path).write_text(json.dumps({"environment": environment(), "copy_tbps": copy_rate,
-                                              "launch_us": launch, "rows": heads_pattern(copy_rate, launch)},
-                                             indent=1))
+                                              "launch_us": launch, "rows": pattern(copy_rate, launch)}, indent=1))
         return
     copy_rate = copy_tbps()
     launch = launch_us()
