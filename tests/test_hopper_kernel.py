@@ -294,12 +294,15 @@ def test_refused_off_hopper_with_a_reason():
     assert reason and ("interpreter" in reason or "TRITON_INTERPRET" in reason or "CUDA" in reason)
 
 
-def test_wide_windows_check_one_side_at_the_right_end(hopper_builds):
-    """A wide window's masked blocks at a tile's right end compare each score with the right bound
-    only: fewer integer compares than the build for any left bound."""
+def test_two_sided_masks_test_bits_and_wide_windows_compare_one_side(hopper_builds):
+    """A window's blocks masked on both sides test a word of bits per row, not compares per score;
+    a wide window's blocks at a tile's right end compare each score with the right bound alone
+    (bits measured slower for one side): a compare per score of a consumer thread's 64."""
     wide = hopper_builds["128,True,2,128,2,0,2,1,wide,dynamic"]["counts"]
     general = hopper_builds["128,True,2,128,2,0,2,1,left,dynamic"]["counts"]
-    assert wide["HGMMA"] > 0 and wide["ISETP"] < general["ISETP"]
+    scores_per_thread = 64 * 128 // 128
+    assert wide["HGMMA"] > 0 and general["ISETP"] < 2 * scores_per_thread
+    assert wide["ISETP"] - general["ISETP"] >= scores_per_thread
 
 
 @pytest.mark.parametrize("window, seqlen_q, seqlen_k, varlen, expected", [

@@ -58,7 +58,7 @@ from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from . import slot_barriers
 from .schedule import register_budget as schedule_registers
 from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
-from .masking import key_blocks, sequence_span, visible
+from .masking import key_blocks, sequence_span, visible, visible_block
 from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, BOUNDED_MAX_OFFSET, NO_MASK, SOFTCAP_BOUNDED, alibi_form,
                      draw_layout, dropout_draws, dropout_key, dropped, expand_mask, load_mask, mask_rows, masked_scores,
                      pair_conversion, pair_rows, tanh_approx)
@@ -451,9 +451,14 @@ def _softmax_block(
         mask_tile = expand_mask(mask_tile, element_type, s_layout, MASK, MASK_KEYS)
         scores, qk_scale = masked_scores(scores, qk_scale, mask_tile, MASK)
     if MASKED:
-        # Block-relative keys: shift the window and the end of K by the block's first key.
-        seen = visible(rows[:, None], keys0[None, :], seqlen_k - key_start, lo - key_start, hi - key_start,
-                       HAS_LEFT, HAS_RIGHT)
+        # Block-relative keys: shift the window and the end of K by the block's first key. Both
+        # bounds: a word of bits per row; one: a compare per score (bits measured slower there).
+        if HAS_LEFT:
+            seen = visible_block(rows, keys0, seqlen_k - key_start, lo - key_start, hi - key_start, HAS_LEFT,
+                                 HAS_RIGHT)
+        else:
+            seen = visible(rows[:, None], keys0[None, :], seqlen_k - key_start, lo - key_start, hi - key_start,
+                           HAS_LEFT, HAS_RIGHT)
         scores = gl.where(seen, scores, float("-inf"))
     if SOFTCAP == SOFTCAP_BOUNDED:  # row_max is the fixed bound (:func:`_initial_max`); no ALiBi
         probs = _exp2(scores * qk_scale - row_max[:, None], EMULATED_EXP2)

@@ -27,6 +27,64 @@ def visible(rows, keys, seqlen_k, lo, hi, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.
 
 
 @gluon.jit
+def _thread_columns_below(limit):
+    """How many of the numbers 8i + e (e in {0, 1}, 0 <= i < 16) lie below ``limit``, in [0, 32]."""
+    count = (limit >> 3) * 2 + gl.minimum(limit & 7, 2)
+    return gl.minimum(gl.maximum(count, 0), 32)
+
+
+@gluon.jit
+def _low_bits(count):
+    """uint32 words with their ``count`` (0 to 32) low bits set."""
+    return ((gl.full_like(count, 1).to(gl.int64) << count.to(gl.int64)) - 1).to(gl.uint32)
+
+
+@gluon.jit
+def columns_within(first, last, columns0, HAS_FIRST: gl.constexpr):
+    """Whether column j of each row lies in [first, last] (``first`` and ``last``: [rows, 1] int32;
+    without HAS_FIRST only ``j <= last`` is checked); ``columns0``: ``arange(0, N)``, N <= 128, in a
+    slice of the block's layout. The same answer as compares per element, through a word of bits
+    per row.
+
+    Column j splits into ``j & 6`` and the bit ``2 · (j >> 3) + (j & 1)`` of a word, and a row's word
+    has the bits of the columns it keeps among those with its ``j & 6``. Any layout gives the same
+    result; in the wgmma accumulator's, where a thread holds columns 8i + 2c + e, ``j & 6`` = 2c is
+    the same in all of a thread's registers, so a thread builds one word per row and each element
+    costs a bit test and a select: half the instructions of two compares and their selects."""
+    columns = columns0[None, :]
+    pair = columns & 6
+    bit = ((columns >> 3) * 2 + (columns & 1)).to(gl.uint32)
+    # j <= last exactly when j - (j & 6) = 8i + e lies below last + 1 - (j & 6).
+    word = _low_bits(_thread_columns_below(last + 1 - pair))
+    if HAS_FIRST:
+        word = word & ~_low_bits(_thread_columns_below(first - pair))
+    return ((word >> bit) & 1) != 0
+
+
+@gluon.jit
+def visible_block(rows, keys0, seqlen_k, lo, hi, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """:func:`visible` for rows ``rows`` ([M]) and block-relative keys ``keys0`` (``arange(0, N)``;
+    seqlen_k, lo and hi shifted by the block's first key) through :func:`columns_within`."""
+    last = seqlen_k - 1
+    if HAS_RIGHT:
+        last = gl.minimum(rows + hi, last)
+    return columns_within(rows[:, None] + lo, last[:, None], keys0, HAS_LEFT)
+
+
+@gluon.jit
+def visible_block_transposed(keys, rows0, first_row, row_end, seqlen_k, lo, hi,
+                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """:func:`visible` for keys ``keys`` ([N]) against rows ``first_row + rows0`` (``arange(0, M)``)
+    that are also below ``row_end``, as a [N, M] block (the backward's Sᵀ), through
+    :func:`columns_within`: key k is seen by rows k - hi <= r <= k - lo, and by none past seqlen_k."""
+    last = row_end - 1 - first_row
+    if HAS_LEFT:
+        last = gl.minimum(keys - lo - first_row, last)
+    last = gl.where(keys < seqlen_k, last, -1)
+    return columns_within((keys - hi - first_row)[:, None], last[:, None], rows0, HAS_RIGHT)
+
+
+@gluon.jit
 def key_blocks(first_row, num_rows, seqlen_k, lo, hi,
                BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """Key blocks seen by rows [first_row, first_row + num_rows): ``(start, full_start, full_end, end)``.
