@@ -50,7 +50,7 @@ def columns_within(first, last, columns0, HAS_FIRST: gl.constexpr):
     has the bits of the columns it keeps among those with its ``j & 6``. Any layout gives the same
     result; in the wgmma accumulator's, where a thread holds columns 8i + 2c + e, ``j & 6`` = 2c is
     the same in all of a thread's registers, so a thread builds one word per row and each element
-    costs a bit test and a select: half the instructions of two compares and their selects."""
+    costs a bit test and a select: fewer instructions than two compares and their selects."""
     columns = columns0[None, :]
     pair = columns & 6
     bit = ((columns >> 3) * 2 + (columns & 1)).to(gl.uint32)
