@@ -87,6 +87,8 @@ for variant in json.loads(sys.argv[1]):
         # the consumers' turns: named barriers of the two consumer warpgroups alone (256 threads)
         "turns": len(re.findall(r"\bbar\.(?:sync|arrive)\s+%r\d+,\s*256;", compiled.asm["ptx"])),
         "global_atomics": len(re.findall(r"\batom\.global", compiled.asm["ptx"])),
+        "relaxed_atomics": len(re.findall(r"\batom\.global\.gpu\.relaxed\b", compiled.asm["ptx"])),
+        "gpu_fences": sass.count("MEMBAR.ALL.GPU"),
         # the attn_mask's loads: one per key pair, or per key where its keys are strided
         "global_loads": {width: len(re.findall(r"\bLDG\.E" + suffix + r"\s", sass))
                          for width, suffix in (("8", r"\.U8"), ("16", r"\.U16"), ("32", ""), ("64", r"\.64"))}}
@@ -173,9 +175,11 @@ def test_attn_mask_builds_read_key_pairs_without_spilling(hopper_builds, variant
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_only_dynamic_schedules_draw_tiles_from_a_counter(hopper_builds, variant):
+    """And they draw them relaxed: no GPU-wide fence holds the load warp before the draw."""
     build = hopper_builds[",".join(map(str, variant))]
     assert "error" not in build
     assert (build["global_atomics"] > 0) == ("dynamic" in variant)
+    assert build["relaxed_atomics"] == build["global_atomics"] and build["gpu_fences"] == 0
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)

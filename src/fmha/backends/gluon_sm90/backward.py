@@ -45,7 +45,7 @@ from .forward import CONSUMER_WARPS, _store_rows, accumulator_layout, operand_la
 from .masking import query_blocks, sequence_span, visible, visible_block_transposed
 from .scores import (NO_MASK, STRIDED_MASK_KEYS, dropout_key, expand_mask, masked_scores, modified_scores, pair_rows,
                      transposed_draw_layout, transposed_keep_bits, unpack_keep)
-from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
+from .tile_queue import allocate_tile_slots, draw_tile, hand_out_tile, take_tile
 
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -136,7 +136,7 @@ def _load_partition(args, tile_slots, BLOCK_M: gl.constexpr, STAGES: gl.constexp
         handed = 0
         ring_position = 0
         tile_count = 0
-        tile = gl.atomic_add(counter, 1)
+        tile = draw_tile(counter)
         while tile < num_tiles:
             hand_out_tile(tile_slots, handed, tile)
             valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
@@ -151,7 +151,7 @@ def _load_partition(args, tile_slots, BLOCK_M: gl.constexpr, STAGES: gl.constexp
                     STAGES, HAS_LEFT, HAS_RIGHT, VARLEN)
                 tile_count += 1
             handed += 1
-            tile = gl.atomic_add(counter, 1)
+            tile = draw_tile(counter)
         hand_out_tile(tile_slots, handed, num_tiles)
     else:
         valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(

@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from . import slot_barriers
 from .schedule import register_budget as schedule_registers
-from .tile_queue import allocate_tile_slots, hand_out_tile, take_tile
+from .tile_queue import allocate_tile_slots, draw_tile, hand_out_tile, take_tile
 from .masking import key_blocks, sequence_span, visible, visible_block
 from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, BOUNDED_MAX_OFFSET, NO_MASK, SOFTCAP_BOUNDED, alibi_form,
                      draw_layout, dropout_draws, dropout_key, dropped, expand_mask, load_mask, mask_rows, masked_scores,
@@ -328,13 +328,15 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
 
 @gluon.jit
 def _load_tile(
-    step, ring_position, tile_count, args,
+    step, ring_position, tile_count, args, counter,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
     CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """The load warp's part of one tile: its consumers' Q blocks, then its K/V blocks through the
     ring. ``step``: the program's step, or with DYNAMIC the tile itself; returns the ring position
-    and tile count after it."""
+    and tile count after it, and with DYNAMIC the next tile, drawn from ``counter`` between the last
+    block's K and V: the draw's round trip overlaps the wait for V's slot instead of holding up the
+    next tile's Q and first K."""
     if VARLEN:
         (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, sequences) = args
@@ -348,6 +350,7 @@ def _load_tile(
     valid, batch, head, kv_head, first_row, q_start, k_start, _, _, _, _, blocks, _ = _tile(
         step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
         CONSUMERS * consumer_rows, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC)
+    next_tile = 0
     if valid:
         start, _, _, end = blocks
         q_phase = (tile_count // Q_BUFFERS) & 1
@@ -358,23 +361,45 @@ def _load_tile(
             mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
             tma_load(q_desc, [batch, head, q_start + first_row + consumer * consumer_rows, 0],
                      q_ready.index(q_slot), q_smem.index(q_slot))
-        for block in range(start, end):
-            position = ring_position + block - start
-            slot = position % STAGES
-            # The consumers released this slot's previous block (the first STAGES find it free).
-            if position >= STAGES:
-                slot_barriers.wait(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
-                     k_ready.index(slot), k_smem.index(slot))
-            if position >= STAGES:
-                slot_barriers.wait(_v_slot_barrier(slot, STAGES), _slot_threads(CONSUMERS))
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [batch, kv_head, k_start + block * BLOCK_N, 0],
-                     v_ready.index(slot), v_smem.index(slot))
+        for block in range(start, end - 1):
+            _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, batch, kv_head, k_start, block,
+                        ring_position + block - start, STAGES, CONSUMERS, True, True)
+        if end > start:
+            last = end - 1
+            position = ring_position + last - start
+            LAST_V_NOW: gl.constexpr = not DYNAMIC
+            _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, batch, kv_head, k_start, last, position,
+                        STAGES, CONSUMERS, True, LAST_V_NOW)
+            if DYNAMIC:  # the next tile, drawn while the last block's V slot frees
+                next_tile = draw_tile(counter)
+                _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, batch, kv_head, k_start, last, position,
+                            STAGES, CONSUMERS, False, True)
+        elif DYNAMIC:
+            next_tile = draw_tile(counter)
         ring_position += end - start
         tile_count += 1
-    return ring_position, tile_count
+    elif DYNAMIC:
+        next_tile = draw_tile(counter)
+    return ring_position, tile_count, next_tile
+
+
+@gluon.jit
+def _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, batch, kv_head, k_start, block, position,
+                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr):
+    """Key block ``block``'s K (LOAD_K) and V (LOAD_V) into ring ``position``'s slot, once the
+    consumers have released it (the first STAGES find it free)."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    slot = position % STAGES
+    if LOAD_K:
+        if position >= STAGES:
+            slot_barriers.wait(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma_load(k_desc, [batch, kv_head, k_start + block * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+    if LOAD_V:
+        if position >= STAGES:
+            slot_barriers.wait(_v_slot_barrier(slot, STAGES), _slot_threads(CONSUMERS))
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma_load(v_desc, [batch, kv_head, k_start + block * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -390,18 +415,17 @@ def _load_partition(
     if DYNAMIC:  # take tiles from the launch's counter and hand each to the consumers; num_tiles: done
         counter = tile_slots[0]
         handed = 0
-        tile = gl.atomic_add(counter, 1)
+        tile = draw_tile(counter)
         while tile < num_tiles:
             hand_out_tile(tile_slots, handed, tile)
-            ring_position, tile_count = _load_tile(tile, ring_position, tile_count, args, BLOCK_N, STAGES, HAS_LEFT,
-                                                   HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC)
+            ring_position, tile_count, tile = _load_tile(tile, ring_position, tile_count, args, counter, BLOCK_N,
+                                                         STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC)
             handed += 1
-            tile = gl.atomic_add(counter, 1)
         hand_out_tile(tile_slots, handed, num_tiles)
     else:
         for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
-            ring_position, tile_count = _load_tile(step, ring_position, tile_count, args, BLOCK_N, STAGES, HAS_LEFT,
-                                                   HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC)
+            ring_position, tile_count, _ = _load_tile(step, ring_position, tile_count, args, tile_slots[0], BLOCK_N,
+                                                      STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC)
     # Take the consumers' last releases: no named barrier is left half-arrived when the CTA exits.
     for position in range(gl.maximum(ring_position - STAGES, 0), ring_position):
         slot = position % STAGES

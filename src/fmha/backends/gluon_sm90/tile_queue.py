@@ -2,8 +2,8 @@
 per-launch int32 counter, longest first, so that they stay balanced as one CTA per tile is while
 each tile's start hides under the previous one's end.
 
-A CTA's load warp draws each tile (one atomic add) and hands it to the consumer warpgroups through
-a ring of TILE_SLOTS shared int32s, each with a "ready" mbarrier (one arrival, the load warp's)
+A CTA's load warp draws each tile (one relaxed atomic add) and hands it to the consumer warpgroups
+through a ring of TILE_SLOTS shared int32s, each with a "ready" mbarrier (one arrival, the load warp's)
 and a "free" one (one arrival per consumer); drawing num_tiles or more means there are none left,
 and that is handed out too, so every partition leaves its loop.
 """
@@ -26,6 +26,14 @@ def allocate_tile_slots(counter, CONSUMERS: gl.constexpr):
         mbarrier.init(tile_ready.index(slot), count=1)
         mbarrier.init(tile_free.index(slot), count=CONSUMERS)
     return counter, tile_ids, tile_ready, tile_free
+
+
+@gluon.jit
+def draw_tile(counter):
+    """The next tile from the launch's counter. Relaxed: the id orders no other memory access (the
+    consumers get it through shared memory and an mbarrier), so no fence waits for the memory
+    operations in flight."""
+    return gl.atomic_add(counter, 1, sem="relaxed")
 
 
 @gluon.jit
