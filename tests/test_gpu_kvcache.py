@@ -120,6 +120,67 @@ def test_small_batch_merge_is_deterministic_gpu(batch, capacity):
     assert not forward.arrivals.any()
 
 
+def _small_decode(dtype, seed):
+    """B8 H32/8 D128 over a contiguous cache of 2,048 (one chunk of 128-key blocks per KV head: bulk
+    copies), lengths from empty to full, leftpad and cache_batch_idx, and NaN and infinities in
+    every cache slot outside the sequences."""
+    lengths = [0, 5, 127, 128, 129, 1000, 2047, 2048]
+    case = random_kvcache(8, 1, 32, 8, 128, 2048, new_keys=0, dtype=dtype, device="cuda", lengths=lengths, seed=seed)
+    case["k_cache"] = torch.cat([case["k_cache"], case["k_cache"][:1]])
+    case["v_cache"] = torch.cat([case["v_cache"], case["v_cache"][:1]])
+    case["cache_batch_idx"] = torch.tensor([8, 0, 1, 2, 3, 4, 5, 6], dtype=torch.int32, device="cuda")
+    leftpad = [0, 2, 0, 0, 1, 300, 1919, 0]
+    case["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device="cuda")
+    for batch, start, end in zip([8, 0, 1, 2, 3, 4, 5, 6], leftpad, lengths):
+        for cache, value in ((case["k_cache"], float("nan")), (case["v_cache"], float("inf"))):
+            cache[batch, :start] = value
+            cache[batch, end:] = -value
+    case["k_cache"][7], case["v_cache"][7] = float("nan"), float("inf")  # no sequence's batch
+    return case
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("options", [{}, dict(causal=True, window_size=(200, 0)), dict(window_size=(1000, 0))],
+                         ids=["whole", "window200", "window1000"])
+def test_small_decode_reads_only_the_sequences_gpu(dtype, options):
+    """The small-grid decode's bulk copies read no slot outside a sequence, with sequences shorter
+    than a block, lengths one past a block, leftpad and cache_batch_idx."""
+    case = _small_decode(dtype, seed_of(dtype, tuple(options)))
+    check(case, **options)
+    forward = kvcache_ops.prepared("test", case["q"], case["k_cache"], case["v_cache"], None, None, None, None,
+                                   case["cache_seqlens"], case["cache_batch_idx"], case["cache_leftpad"], None, None,
+                                   options.get("causal", False), options.get("window_size", (-1, -1)), 0.0, True,
+                                   None, 0)
+    assert forward.attend_launch.constants["TMA"] and forward.splits == 1
+
+
+def test_small_decode_in_a_cuda_graph_gpu():
+    """The bulk-copy decode captured in a CUDA graph: replays with new queries and lengths equal eager."""
+    graph_case = _small_decode(torch.bfloat16, 21)
+    eager_case = {name: value.clone() for name, value in graph_case.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        fmha.flash_attn_with_kvcache(**graph_case)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fmha.flash_attn_with_kvcache(**graph_case)
+    for step in range(3):
+        q = torch.randn_like(graph_case["q"])
+        graph_case["q"].copy_(q)
+        eager_case["q"].copy_(q)
+        if step:  # shorter sequences, still inside what the poison leaves
+            graph_case["cache_seqlens"] -= 1
+            eager_case["cache_seqlens"] -= 1
+            graph_case["cache_seqlens"].clamp_(min=0)
+            eager_case["cache_seqlens"].clamp_(min=0)
+        graph.replay()
+        expected = fmha.flash_attn_with_kvcache(**eager_case)
+        torch.cuda.synchronize()
+        assert not out.isnan().any() and torch.equal(out, expected)
+
+
 def _decode_step(seed, page_size=16):
     return random_kvcache(8, 1, 32, 8, 128, 1024, new_keys=1, dtype=torch.bfloat16, device="cuda",
                           page_size=page_size, rotary_dim=128, lengths=[(seed + 113 * i) % 1000 for i in range(8)],

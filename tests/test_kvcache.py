@@ -55,6 +55,8 @@ def test_decode_plans_for_an_h100(batch, capacity, splits, block_n):
                             None, None, False, (-1, -1), 0.0, False, None, 0)
     config = kvcache_config(params, 132)
     assert (config.splits, config.block_n) == (splits, block_n)
+    # one chunk per tile on a small grid: bulk copies from the contiguous cache
+    assert config.tma == (splits == 1 and batch * 8 < 2 * 132)
 
 
 def test_a_merge_over_several_groups_of_chunks():
@@ -246,6 +248,41 @@ def _prepared(case, **options):
                                 case.get("rotary_cos"), case.get("rotary_sin"), case.get("cache_seqlens"), None,
                                 None, case.get("block_table"), None, options.get("causal", False), (-1, -1), 0.0,
                                 True, None, options.get("num_splits", 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_decode_tiles_read_a_contiguous_cache_through_tensor_descriptors(monkeypatch, dtype):
+    """One-chunk decode tiles of small grids read a contiguous cache with bulk copies, the last
+    block moved back to end at the sequence's last key. Whatever the cache holds outside the
+    sequences (NaN, infinities: before leftpad, past the end, in a batch no sequence uses) never
+    reaches the output; a sequence shorter than a block keeps the pointer loads. Windows, leftpad
+    and cache_batch_idx move the rows; a paged cache or an append keeps the pointer loads."""
+    chosen = kvcache_ops.kvcache_config
+    monkeypatch.setattr(kvcache_ops, "kvcache_config", lambda params, multiprocessors: dataclasses.replace(
+        chosen(params, multiprocessors), splits=1, one_range=True, tma=params.page_size == 0 and not params.new_keys))
+    kvcache_ops.forget()
+    case = kvcache_case(batch=4, capacity=96, new_keys=0, lengths=[0, 37, 50, 43], dtype=dtype)
+    extra = torch.randn(1, *case["k_cache"].shape[1:]).to(dtype)
+    case["k_cache"], case["v_cache"] = torch.cat([case["k_cache"], extra]), torch.cat([case["v_cache"], -extra])
+    case["cache_batch_idx"] = torch.tensor([4, 0, 2, 3], dtype=torch.int32)
+    # sequence lengths 0, 28, 20 and 5 keys: 5 is under one 16-key block
+    case["cache_leftpad"] = torch.tensor([0, 9, 30, 38], dtype=torch.int32)
+    for batch, (start, length) in zip([4, 0, 2, 3], [(0, 0), (9, 37), (30, 50), (38, 43)]):
+        for cache, value in ((case["k_cache"], float("nan")), (case["v_cache"], float("inf"))):
+            cache[batch, :start] = value
+            cache[batch, length:] = -value
+    case["k_cache"][1], case["v_cache"][1] = float("nan"), float("inf")
+    check(case)
+    forward = kvcache_ops.prepared("test", case["q"], case["k_cache"], case["v_cache"], None, None, None, None,
+                                   case["cache_seqlens"], case["cache_batch_idx"], case["cache_leftpad"], None, None,
+                                   False, (-1, -1), 0.0, True, None, 0)
+    assert forward.attend_launch.constants["TMA"] and forward.config.block_n == 16
+    check(case, causal=True, window_size=(11, 0))
+    check(case, window_size=(3, 0))
+    for other in (kvcache_case(new_keys=0, page_size=16), kvcache_case(new_keys=1)):
+        check(other)
+        assert not _prepared(other).attend_launch.constants["TMA"]
+    kvcache_ops.forget()
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])

@@ -93,6 +93,8 @@ class KVCacheConfig:
     splits: int
     # Walk each tile's keys in one masked loop instead of masked edges around unmasked blocks.
     one_range: bool = False
+    # Read a contiguous cache through tensor descriptors (bulk copies) where its strides allow.
+    tma: bool = False
 
     def text(self) -> str:
         return (f"KV cache: {self.splits} chunks, {self.block_m} packed rows x {self.block_n} keys, "
@@ -165,7 +167,12 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     # grids are bandwidth-bound, and there the masks cost paged caches. Prefill tiles (compute-bound)
     # and appends (a masked block also reads the new rows) keep the unmasked middle apart.
     one_range = small_grid and block_m < 128 and params.new_keys == 0
-    return KVCacheConfig(block_m, block_n, num_warps, num_stages, splits, one_range)
+    # Those tiles, one chunk each, read a contiguous cache with bulk copies: a program keeps more
+    # bytes in flight than with pointer loads (H100, B8 Sk2048: docs/perf.md, session 26). Chunked
+    # tiles (B1) were slower with them.
+    tma = (one_range and splits == 1 and params.page_size == 0 and not params.varlen
+           and block_d == params.head_dim)
+    return KVCacheConfig(block_m, block_n, num_warps, num_stages, splits, one_range, tma)
 
 
 class BackwardConfig(ForwardConfig):

@@ -169,13 +169,14 @@ def _load_block(cache_head, stride_cb, stride_cn, stride_cd, major, minor, new_r
 
 @triton.jit
 def _softmax_step(acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_q, seqlen_k, lo, hi, qk_scale,
-                  softcap_scale, slopes,
+                  softcap_scale, slopes, fresh,
                   MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  FUSED_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+                  FUSED_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SHIFTED: tl.constexpr):
     """Fold one key block (``raw_scores`` = Q·Kᵀ unscaled [M, N], ``v`` [N, D]) into the running
     max and sum (log2 units) and the accumulator: the forward's online softmax, kept here so that
     this kernel and the forward change apart; the scores through the forward's
-    :func:`fmha.backends.triton.scores.score_tile` (``slopes`` [M]: each row's head's ALiBi slope)."""
+    :func:`fmha.backends.triton.scores.score_tile` (``slopes`` [M]: each row's head's ALiBi slope).
+    ``SHIFTED``: keys below ``fresh`` were folded by the block before, and are masked here."""
     if SOFTCAP or ALIBI:
         row_slopes = 0.0
         if ALIBI:
@@ -186,6 +187,8 @@ def _softmax_step(acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_q, se
         scores = raw_scores if FUSED_SCALE else raw_scores * qk_scale
     if MASKED:
         seen = visible(rows[:, None], keys[None, :], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
+        if SHIFTED:
+            seen = seen & (keys >= fresh)[None, :]
         scores = tl.where(seen, scores, float("-inf"))
     if FUSED_SCALE:  # the scale folded into the exponent (scale > 0)
         new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
@@ -209,32 +212,48 @@ def _attend_cache_blocks(
     stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt, stride_vnd,
     Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
     rows, offs_d, start, end, leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
+    k_descriptor, v_descriptor, descriptor_row, descriptor_column,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr, MERGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Keys [start, end) of the sequence (whole blocks from ``start``), masked or not; ``MERGED``
-    reads the keys being appended from the new rows."""
+    reads the keys being appended from the new rows.
+
+    ``TMA``: the blocks come through the cache's tensor descriptors (bulk copies), row
+    ``descriptor_row + key`` and columns from ``descriptor_column``. No copy reads a key outside
+    [0, end): the last block is moved back to end at ``end`` (the caller makes sure end ≥ BLOCK_N),
+    its keys that the block before it covered masked out. So whatever the cache holds past the
+    sequence, or before it (leftpad), never reaches a product."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
-        keys = start_n + offs_n
-        major, minor = _cache_slots(table_row, cache_batch, leftpad + keys, keys < seqlen_k, PAGE_SIZE, MASKED)
-        k = _load_block(k_head, stride_kb, stride_kn, stride_kd, major, minor, k_new, stride_knt, stride_knd,
-                        keys, seqlen_k, new_start, cached, offs_d, Cos, Sin, stride_cos_row, stride_cos_d,
-                        stride_sin_row, stride_sin_d, rotary_rows, HEAD_DIM, BLOCK_D, MASKED, MERGED,
-                        ROTARY_DIM, ROTARY_INTERLEAVED)
+        if TMA:
+            first = tl.minimum(start_n, end - BLOCK_N)
+            keys = first + offs_n
+            k = k_descriptor.load([descriptor_row + first, descriptor_column])
+        else:
+            keys = start_n + offs_n
+            major, minor = _cache_slots(table_row, cache_batch, leftpad + keys, keys < seqlen_k, PAGE_SIZE, MASKED)
+            k = _load_block(k_head, stride_kb, stride_kn, stride_kd, major, minor, k_new, stride_knt, stride_knd,
+                            keys, seqlen_k, new_start, cached, offs_d, Cos, Sin, stride_cos_row, stride_cos_d,
+                            stride_sin_row, stride_sin_d, rotary_rows, HEAD_DIM, BLOCK_D, MASKED, MERGED,
+                            ROTARY_DIM, ROTARY_INTERLEAVED)
         if DOT_FP32:
             k = k.to(tl.float32)
         raw_scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        v = _load_block(v_head, stride_vb, stride_vn, stride_vd, major, minor, v_new, stride_vnt, stride_vnd,
-                        keys, seqlen_k, new_start, cached, offs_d, Cos, Sin, stride_cos_row, stride_cos_d,
-                        stride_sin_row, stride_sin_d, rotary_rows, HEAD_DIM, BLOCK_D, MASKED, MERGED, 0, False)
+        if TMA:
+            v = v_descriptor.load([descriptor_row + first, descriptor_column])
+        else:
+            v = _load_block(v_head, stride_vb, stride_vn, stride_vd, major, minor, v_new, stride_vnt, stride_vnd,
+                            keys, seqlen_k, new_start, cached, offs_d, Cos, Sin, stride_cos_row, stride_cos_d,
+                            stride_sin_row, stride_sin_d, rotary_rows, HEAD_DIM, BLOCK_D, MASKED, MERGED, 0, False)
         if DOT_FP32:
             v = v.to(tl.float32)
         acc, row_sum, row_max = _softmax_step(acc, row_sum, row_max, raw_scores, v, keys, rows, seqlen_q, seqlen_k,
-                                              lo, hi, qk_scale, softcap_scale, slopes, MASKED, HAS_LEFT, HAS_RIGHT,
-                                              DOT_PRECISION, FUSED_SCALE, SOFTCAP, ALIBI)
+                                              lo, hi, qk_scale, softcap_scale, slopes, start_n, MASKED, HAS_LEFT,
+                                              HAS_RIGHT, DOT_PRECISION, FUSED_SCALE, SOFTCAP, ALIBI, TMA)
     return acc, row_sum, row_max
 
 
@@ -265,16 +284,19 @@ def _attend_tile(
     stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt, stride_vnd,
     Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
     leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, AlibiSlopes, stride_ab, stride_ah,
+    k_descriptor, v_descriptor, descriptor_row, descriptor_column,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, APPEND: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ONE_RANGE: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ONE_RANGE: tl.constexpr, TMA: tl.constexpr,
 ):
     """Packed block ``tile`` of the sequence (BLOCK_M rows of the group's query heads) over its keys
     in [chunk_start, chunk_end): ``(out, lse, rows, heads, in_range)``, out normalised over those
     keys and lse in log2 units (-inf and zeros for rows that saw none). ``ONE_RANGE``: every block
-    masked, in one loop, instead of the masked edges and the whole blocks apart."""
+    masked, in one loop, instead of the masked edges and the whole blocks apart; with ``TMA`` that
+    loop reads the keys through the cache's tensor descriptors when they span a whole block (a
+    shorter range keeps the pointer loads, whose masks read nothing outside it)."""
     packed_rows = group_size * seqlen_q
     in_range, rows, heads = _packed_rows(tile * BLOCK_M + tl.arange(0, BLOCK_M), packed_rows, group_size, kv_head)
     offs_d = tl.arange(0, BLOCK_D)
@@ -314,14 +336,31 @@ def _attend_tile(
         first_end = kv_end
     else:
         first_end = full_start
+    first_start = tl.maximum(kv_start, chunk_start)
+    first_end = tl.minimum(first_end, chunk_end)
+    # Bulk copies (TMA) where the keys span a whole block (then no block need reach outside them);
+    # the pointer loop takes the keys they leave.
+    pointer_start = first_start
+    if TMA:
+        pointer_start = tl.where(first_end >= BLOCK_N, first_end, first_start)
+        acc, row_sum, row_max = _attend_cache_blocks(
+            acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
+            stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
+            stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+            rows, offs_d, first_start, pointer_start,
+            leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
+            k_descriptor, v_descriptor, descriptor_row, descriptor_column,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, False, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
+            DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, True)
     acc, row_sum, row_max = _attend_cache_blocks(
         acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
         stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
-        rows, offs_d, tl.maximum(kv_start, chunk_start), tl.minimum(first_end, chunk_end),
+        rows, offs_d, pointer_start, first_end,
         leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
+        k_descriptor, v_descriptor, descriptor_row, descriptor_column,
         HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-        DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
+        DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, False)
     if not ONE_RANGE:
         acc, row_sum, row_max = _attend_cache_blocks(
             acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
@@ -329,16 +368,18 @@ def _attend_tile(
             stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
             rows, offs_d, tl.maximum(full_start, chunk_start), tl.minimum(full_end, chunk_end),
             leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
+            k_descriptor, v_descriptor, descriptor_row, descriptor_column,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, False, False, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-            DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
+            DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, False)
         acc, row_sum, row_max = _attend_cache_blocks(
             acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
             stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
             rows, offs_d, tl.maximum(full_end, chunk_start), tl.minimum(kv_end, chunk_end),
             leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
+            k_descriptor, v_descriptor, descriptor_row, descriptor_column,
             HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-            DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI)
+            DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, False)
 
     # Rows that saw no key: output 0 and LSE -inf, never 0/0.
     seen = row_sum > 0.0
@@ -350,7 +391,7 @@ def _attend_tile(
 
 @triton.jit(do_not_specialize=["cache_seqlen"])
 def kvcache_attention_kernel(
-    Q, KCache, VCache, KNew, VNew, Out, Lse, PartialOut, PartialLse, Arrivals,
+    Q, KCache, VCache, KDescriptor, VDescriptor, KNew, VNew, Out, Lse, PartialOut, PartialLse, Arrivals,
     CacheSeqlens, CacheBatchIdx, CacheLeftpad, BlockTable, Cos, Sin, AlibiSlopes, Sinks, CuSeqlensQ, cache_seqlen,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
@@ -368,7 +409,7 @@ def kvcache_attention_kernel(
     ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr, ROTARY_AT_ROWS: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr, VARLEN_Q: tl.constexpr,
-    ONE_RANGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
+    ONE_RANGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNKS: tl.constexpr, TMA: tl.constexpr,
 ):
     """Program (batch * KV head, chunk, packed block) over keys [chunk * split, chunk * (split + 1)).
 
@@ -385,6 +426,10 @@ def kvcache_attention_kernel(
     depend on which chunk is last. Else ``Out`` and ``Lse`` directly.
     Row i of head h of sequence b is ``Out[b, q_start + i, h]`` and ``Lse[b · stride_lb + h · stride_lh
     + q_start + i]``: q_start is 0 for (B, Sq, Hq, D) queries.
+
+    ``TMA`` (with ONE_RANGE): KDescriptor and VDescriptor are tensor descriptors of the contiguous
+    cache viewed as (cache batches · capacity, Hkv · D), blocks of (BLOCK_N, HEAD_DIM); a tile whose
+    keys span a whole block reads them through these (:func:`_attend_cache_blocks`).
 
     ``VARLEN_Q``: packed queries (FlashAttention's varlen functions over a paged cache): sequence b
     is rows ``CuSeqlensQ[b]:CuSeqlensQ[b + 1]`` of q and Out (batch strides 0), ``seqlen_q`` is
@@ -441,8 +486,9 @@ def kvcache_attention_kernel(
         stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
         stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
         leftpad, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, AlibiSlopes, stride_ab, stride_ah,
+        KDescriptor, VDescriptor, cache_batch * capacity + leftpad, kv_head * HEAD_DIM,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM,
-        ROTARY_INTERLEAVED, ROTARY_AT_ROWS, DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, ONE_RANGE)
+        ROTARY_INTERLEAVED, ROTARY_AT_ROWS, DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, ONE_RANGE, TMA)
     if SINKS and not SPLIT:  # split keys: after the merge
         out, lse = _with_sinks(out, lse, Sinks, heads, stride_sh)
     q_mask = in_range[:, None] & (offs_d[None, :] < HEAD_DIM)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ...compat import COMPILE_OPTIONS
+from ...compat import COMPILE_OPTIONS, TensorDescriptor
 from ...kvcache_params import KVCacheParams
 from ...runtime import INTERPRETED, interpreter_upcasts, run_compiled
 from .config import KVCacheConfig, padded_head_dim
@@ -54,6 +54,34 @@ class _Launch:
             self.compiled, self.compiled_tail = compiled, (*self.fixed, *self.constants.values())
 
 
+class _LaunchDescriptor:
+    """What the launch of a compiled kernel reads of a host tensor descriptor (tensor, shape,
+    strides, padding), made per call without Triton's checks: the first call's descriptor, built by
+    Triton, passed them for this signature."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base: torch.Tensor, shape: list[int], strides: list[int]):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
+
+
+def _rows_view(cache: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(shape, strides) of a (B, S, H, D) cache as (B · S, H · D): a row per position, heads side by side."""
+    batches, positions, heads, features = cache.shape
+    return [batches * positions, heads * features], [cache.stride(1), 1]
+
+
+def _tma_compatible(cache: torch.Tensor) -> bool:
+    """Whether bulk copies can read ``cache`` (B, S, H, D) as (B · S, H · D) rows: 16-byte aligned,
+    heads and features contiguous in a row, positions one row stride apart across batches, that
+    stride a multiple of 16 bytes, and row indices within int32."""
+    batches, positions, heads, features = cache.shape
+    return (cache.data_ptr() % 16 == 0 and cache.stride(3) == 1 and (heads == 1 or cache.stride(2) == features)
+            and (batches == 1 or cache.stride(0) == positions * cache.stride(1))
+            and cache.stride(1) >= heads * features and cache.stride(1) * cache.element_size() % 16 == 0
+            and batches * positions < 2**31)
+
+
 def _strides(tensor, count: int) -> tuple[int, ...]:
     return tensor.stride() if tensor is not None else (0,) * count
 
@@ -65,7 +93,7 @@ class KVCacheForward:
     cache_seqlens (ignored when it is a tensor)."""
 
     __slots__ = ("params", "config", "chunk", "splits", "attend_launch", "arrivals", "device_index",
-                 "out_shape", "lse_shape", "partial_out_shape", "partial_lse_shape", "skip")
+                 "out_shape", "lse_shape", "partial_out_shape", "partial_lse_shape", "skip", "cache_views")
 
     def __init__(self, params: KVCacheParams, config: KVCacheConfig):
         p = self.params = params
@@ -101,12 +129,14 @@ class KVCacheForward:
                  FUSED_SCALE=p.scale > 0 and not p.softcap and not p.alibi, DOT_FP32=interpreter_upcasts(p.dtype),
                  SOFTCAP=softcap_tanh(p) if p.softcap else NO_SOFTCAP, ALIBI=bool(p.alibi), SINKS=p.has_sinks,
                  VARLEN_Q=p.varlen, ONE_RANGE=config.one_range, MERGE_ROWS=merge_rows,
-                 MERGE_CHUNKS=merge_group(merge_rows, block_d, config.num_warps, self.splits)),
+                 MERGE_CHUNKS=merge_group(merge_rows, block_d, config.num_warps, self.splits), TMA=False),
             config.num_warps, config.num_stages)
         # Split: one arrival counter per (batch and KV head, packed block), zeros between launches
         # (the last chunk to arrive resets its own); made by the first call. Shared by the calls of
         # this signature: two of them running at once on different streams would mix their counts.
         self.arrivals = None
+        # With bulk copies: the (shape, strides) of the K and V caches' descriptors, set by the first call.
+        self.cache_views = None
 
     def _prepare(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, block_table, alibi_slopes, sinks):
         """The first call's strides (fixed by the signature) join the integer arguments."""
@@ -122,6 +152,11 @@ class KVCacheForward:
             q_strides = q.stride()
             out_strides = (p.seqlen_q * p.q_heads * p.head_dim, p.q_heads * p.head_dim, p.head_dim, 1)
             lse_strides = (p.q_heads * p.seqlen_q, p.seqlen_q)
+        # Bulk copies: the cache's strides and alignment (part of the signature) must suit them.
+        tma = (self.config.tma and TensorDescriptor is not None
+               and _tma_compatible(k_cache) and _tma_compatible(v_cache))
+        self.attend_launch.constants["TMA"] = tma
+        self.cache_views = (_rows_view(k_cache), _rows_view(v_cache)) if tma else None
         self.attend_launch.fixed = (
             *q_strides, *k_cache.stride(), *v_cache.stride(), *_strides(k, 4), *_strides(v, 4),
             *out_strides, *lse_strides, block_table.stride(0) if block_table is not None else 0,
@@ -149,10 +184,25 @@ class KVCacheForward:
                          cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, cu_seqlens_q, out, lse)
         return out, lse
 
+    def _descriptors(self, k_cache, v_cache):
+        """The cache's tensor descriptors with TMA, else (None, None). A compiled kernel's launch
+        reads only their tensors, shapes, strides and padding; the JIT (the first call, and every
+        call under the interpreter) takes Triton's own."""
+        if self.cache_views is None:
+            return None, None
+        (k_shape, k_strides), (v_shape, v_strides) = self.cache_views
+        if self.attend_launch.compiled is None:
+            block = [self.config.block_n, self.params.head_dim]
+            return (TensorDescriptor(k_cache, k_shape, k_strides, block),
+                    TensorDescriptor(v_cache, v_shape, v_strides, block))
+        return _LaunchDescriptor(k_cache, k_shape, k_strides), _LaunchDescriptor(v_cache, v_shape, v_strides)
+
     def _launch(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, cu_seqlens_q, out, lse):
+        k_descriptor, v_descriptor = self._descriptors(k_cache, v_cache)
         if self.splits == 1:
-            self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, None, None, None, cache_seqlens,
+            self.attend_launch(q.device, q, k_cache, v_cache, k_descriptor, v_descriptor, k, v, out, lse, None, None,
+                               None, cache_seqlens,
                                cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, alibi_slopes,
                                sinks, cu_seqlens_q, cache_seqlen)
             return
@@ -162,6 +212,7 @@ class KVCacheForward:
         partial_out = torch.empty(self.partial_out_shape, device=q.device, dtype=torch.float32)
         partial_lse = torch.empty(self.partial_lse_shape, device=q.device, dtype=torch.float32)
         # One launch: the last chunk of each tile merges the chunks (fmha.backends.triton.kvcache).
-        self.attend_launch(q.device, q, k_cache, v_cache, k, v, out, lse, partial_out, partial_lse, self.arrivals,
+        self.attend_launch(q.device, q, k_cache, v_cache, k_descriptor, v_descriptor, k, v, out, lse, partial_out,
+                           partial_lse, self.arrivals,
                            cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
                            alibi_slopes, sinks, cu_seqlens_q, cache_seqlen)
