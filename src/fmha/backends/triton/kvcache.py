@@ -338,29 +338,38 @@ def _attend_tile(
         first_end = full_start
     first_start = tl.maximum(kv_start, chunk_start)
     first_end = tl.minimum(first_end, chunk_end)
-    # Bulk copies (TMA) where the keys span a whole block (then no block need reach outside them);
-    # the pointer loop takes the keys they leave.
-    pointer_start = first_start
+    # Bulk copies (TMA) where the keys span a whole block: then no block need reach outside them.
     if TMA:
-        pointer_start = tl.where(first_end >= BLOCK_N, first_end, first_start)
+        if first_end >= BLOCK_N:
+            acc, row_sum, row_max = _attend_cache_blocks(
+                acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
+                stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
+                stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+                rows, offs_d, first_start, first_end,
+                leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
+                k_descriptor, v_descriptor, descriptor_row, descriptor_column,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, False, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
+                DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, True)
+        else:
+            acc, row_sum, row_max = _attend_cache_blocks(
+                acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
+                stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
+                stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
+                rows, offs_d, first_start, first_end,
+                leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
+                k_descriptor, v_descriptor, descriptor_row, descriptor_column,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
+                DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, False)
+    else:
         acc, row_sum, row_max = _attend_cache_blocks(
             acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
             stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
             stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
-            rows, offs_d, first_start, pointer_start,
+            rows, offs_d, first_start, first_end,
             leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
             k_descriptor, v_descriptor, descriptor_row, descriptor_column,
-            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, False, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-            DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, True)
-    acc, row_sum, row_max = _attend_cache_blocks(
-        acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
-        stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_knt, stride_knd, stride_vnt,
-        stride_vnd, Cos, Sin, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
-        rows, offs_d, pointer_start, first_end,
-        leftpad, seqlen_q, seqlen_k, new_start, cached, lo, hi, qk_scale, softcap_scale, slopes,
-        k_descriptor, v_descriptor, descriptor_row, descriptor_column,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
-        DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, False)
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, True, APPEND, HAS_LEFT, HAS_RIGHT, ROTARY_DIM, ROTARY_INTERLEAVED,
+            DOT_PRECISION, FUSED_SCALE, DOT_FP32, SOFTCAP, ALIBI, False)
     if not ONE_RANGE:
         acc, row_sum, row_max = _attend_cache_blocks(
             acc, row_sum, row_max, q, k_head, v_head, k_new, v_new, table_row, cache_batch,
