@@ -5,7 +5,8 @@ a sweep of chunk counts and tiles, and host time per call.
     PYTHONPATH=src python benchmarks/kvcache.py [out.json] [--no-host]
         [--small-sweep [--tiles 128x8x3,...] [--shapes 8:2048,... --splits 1,2,...]]
     (--no-host: skip host time per call; --small-sweep: only the small cases, over more tiles and chunks;
-    --tiles: the sweep's tiles as block_n x warps x stages; --shapes: dense batch:length cases instead)
+    --tiles: the sweep's tiles as block_n x warps x stages, "p" after one for pointer loads only (no bulk
+    copies); --shapes: dense batch:length cases instead)
 
 Cases (bf16, Hq/Hkv = 32/8, D = 128, one query per sequence):
 * dense: B32, Sk 8192 (copy floor ~358 us at 3.0 TB/s);
@@ -18,6 +19,7 @@ GB/s counts the K/V bytes each call must read once. The small cases also give th
 kernel replayed the same way (``launch_us``), and sweep tiles and chunk counts.
 """
 
+import dataclasses
 import json
 import sys
 import time
@@ -176,14 +178,17 @@ def sweep_configs(sets, kv_bytes, sweep) -> list:
     ``sweep["repeats"]`` interleaved passes over all of them."""
     results = []
     for repeat in range(sweep.get("repeats", 1)):
-        for block_n, num_warps, num_stages in sweep["tiles"]:
+        for block_n, num_warps, num_stages, *loads in sweep["tiles"]:
             for splits in sweep["splits"]:
+                # "pointer": no bulk copies, where the heuristic's rule would take them for these chunks
                 entry = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "splits": splits,
-                         "repeat": repeat}
+                         "repeat": repeat, "loads": loads[0] if loads else "heuristic"}
 
-                def forced(params, multiprocessors, tiles=(block_n, num_warps, num_stages), splits=splits):
-                    chosen = kvcache_config(params, multiprocessors)
-                    return KVCacheConfig(chosen.block_m, tiles[0], tiles[1], tiles[2], splits, chosen.one_range)
+                def forced(params, multiprocessors, tiles=(block_n, num_warps, num_stages), splits=splits,
+                           bulk=not loads):
+                    chosen = kvcache_config(dataclasses.replace(params, num_splits=splits), multiprocessors)
+                    return KVCacheConfig(chosen.block_m, tiles[0], tiles[1], tiles[2], splits, chosen.one_range,
+                                         bulk and chosen.tma)
                 kvcache_ops.kvcache_config, original = forced, kvcache_ops.kvcache_config
                 kvcache_ops.forget()
                 try:
@@ -277,7 +282,9 @@ def main():
     if "--small-sweep" in sys.argv:  # only the small cases, over more tiles and chunk counts
         wide = [(64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 3), (32, 4, 4), (32, 4, 2), (128, 4, 3)]
         if "--tiles" in sys.argv:  # e.g. --tiles 128x8x3,64x4x3 (block_n x warps x stages)
-            wide = [tuple(int(x) for x in tile.split("x")) for tile in sys.argv[sys.argv.index("--tiles") + 1].split(",")]
+            # a trailing "p": pointer loads only (no bulk copies)
+            wide = [tuple(int(x) for x in tile.rstrip("p").split("x")) + (("pointer",) if tile.endswith("p") else ())
+                    for tile in sys.argv[sys.argv.index("--tiles") + 1].split(",")]
         cases = [("small B1 Sk4096", 1, 4096, [4096], "contiguous", 16, {"tiles": wide, "splits": [8, 12, 16, 24, 32]},
                   False),
                  ("small B8 Sk2048", 8, 2048, [2048] * 8, "contiguous", 4, {"tiles": wide, "splits": [1, 2, 3, 4, 8]},
@@ -318,7 +325,8 @@ def main():
         if row.get("case", "").startswith("small") and row.get("sweep"):
             ranked = sorted((e for e in row["sweep"] if "us" in e), key=lambda e: e["us"])
             print(f"{row['case']} sweep: " + ", ".join(
-                f"n{e['block_n']}w{e['num_warps']}s{e['num_stages']}x{e['splits']} {e['us']:.1f}" for e in ranked[:12]),
+                f"n{e['block_n']}w{e['num_warps']}s{e['num_stages']}x{e['splits']}"
+                f"{'p' if e['loads'] == 'pointer' else ''} {e['us']:.1f}" for e in ranked[:16]),
                 flush=True)
     small_only = "--small-sweep" in sys.argv
     step = {} if small_only else decode_step_us(copy_rate)
