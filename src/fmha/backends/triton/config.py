@@ -167,11 +167,11 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     # grids are bandwidth-bound, and there the masks cost paged caches. Prefill tiles (compute-bound)
     # and appends (a masked block also reads the new rows) keep the unmasked middle apart.
     one_range = small_grid and block_m < 128 and params.new_keys == 0
-    # Those tiles, one chunk each, read a contiguous cache with bulk copies: a program keeps more
-    # bytes in flight than with pointer loads (H100, B8 Sk2048: docs/perf.md, session 26). Chunked
-    # tiles (B1) were slower with them.
+    # Those tiles, one chunk each, read a contiguous 16-bit cache with bulk copies: a program keeps
+    # more bytes in flight than with pointer loads (H100, B8 Sk2048: docs/perf.md, session 26).
+    # Chunked tiles (B1) were slower with them.
     tma = (one_range and splits == 1 and params.page_size == 0 and not params.varlen
-           and block_d == params.head_dim)
+           and block_d == params.head_dim and params.dtype != torch.float32)
     return KVCacheConfig(block_m, block_n, num_warps, num_stages, splits, one_range, tma)
 
 
