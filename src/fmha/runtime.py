@@ -64,6 +64,17 @@ def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_properties(device).name
 
 
+class HostDescriptor:
+    """What Triton's launcher reads from a host tensor descriptor to encode its tensor map (tensor,
+    shape, strides, padding), built per call without TensorDescriptor's checks: for launches of a
+    compiled kernel whose first call, through the JIT, passed Triton's own descriptor."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base: torch.Tensor, shape: list[int], strides: list[int]):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
+
+
 def run_compiled(compiled, grid: int | tuple[int, int, int], device: torch.device, args: tuple) -> None:
     """Launch a compiled kernel on the current stream; ``args`` are all its parameters in order.
 

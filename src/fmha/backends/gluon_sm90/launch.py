@@ -13,7 +13,7 @@ from triton.experimental.gluon import language as gl
 
 from ...compat import COMPILE_OPTIONS, GluonASTSource, load_compiled, triton_version_problem
 from ...params import AttentionParams
-from ...runtime import KernelBuildError, multiprocessors, run_compiled
+from ...runtime import HostDescriptor, KernelBuildError, multiprocessors, run_compiled
 from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout_threshold, window_bounds
 from ..triton.forward import LOG2_E
 from .forward import WIDE_LEFT, attention_forward_hopper_kernel
@@ -29,13 +29,11 @@ def _shared_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, block_rows, head_dim], element)
 
 
-class _HostDescriptor:
-    """What Triton's launcher reads from a host tensor descriptor to encode the tensor map.
+class _HostDescriptor(HostDescriptor):
+    """A host tensor descriptor of a whole tensor by default, built per call without Gluon's
+    TensorDescriptor checks: the backend's support check made them."""
 
-    Built per call without Gluon's TensorDescriptor checks: the backend's support check made them.
-    """
-
-    __slots__ = ("base", "shape", "strides", "padding")
+    __slots__ = ()
 
     def __init__(self, tensor: torch.Tensor, shape=None, strides=None):
         self.base, self.padding = tensor, "zero"

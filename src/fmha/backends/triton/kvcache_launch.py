@@ -14,7 +14,7 @@ import triton
 
 from ...compat import COMPILE_OPTIONS, TensorDescriptor
 from ...kvcache_params import KVCacheParams
-from ...runtime import INTERPRETED, interpreter_upcasts, run_compiled
+from ...runtime import INTERPRETED, HostDescriptor, interpreter_upcasts, run_compiled
 from .config import KVCacheConfig, padded_head_dim
 from .forward import LOG2_E
 from .kvcache import kvcache_attention_kernel
@@ -52,17 +52,6 @@ class _Launch:
             # The signature fixes every specialised integer and the pointers' alignment.
             assert self.kernel.arg_names[-len(self.constants):] == list(self.constants)
             self.compiled, self.compiled_tail = compiled, (*self.fixed, *self.constants.values())
-
-
-class _LaunchDescriptor:
-    """What the launch of a compiled kernel reads of a host tensor descriptor (tensor, shape,
-    strides, padding), made per call without Triton's checks: the first call's descriptor, built by
-    Triton, passed them for this signature."""
-
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, base: torch.Tensor, shape: list[int], strides: list[int]):
-        self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
 
 
 def _rows_view(cache: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -185,21 +174,21 @@ class KVCacheForward:
         return out, lse
 
     def _descriptors(self, k_cache, v_cache):
-        """The cache's tensor descriptors with TMA, else (None, None). A compiled kernel's launch
-        reads only their tensors, shapes, strides and padding; the JIT (the first call, and every
-        call under the interpreter) takes Triton's own."""
-        if self.cache_views is None:
-            return None, None
+        """The cache's tensor descriptors (with TMA). A compiled kernel's launch reads only their
+        tensors, shapes, strides and padding; the JIT (the first call, and every call under the
+        interpreter) takes Triton's own."""
         (k_shape, k_strides), (v_shape, v_strides) = self.cache_views
         if self.attend_launch.compiled is None:
             block = [self.config.block_n, self.params.head_dim]
             return (TensorDescriptor(k_cache, k_shape, k_strides, block),
                     TensorDescriptor(v_cache, v_shape, v_strides, block))
-        return _LaunchDescriptor(k_cache, k_shape, k_strides), _LaunchDescriptor(v_cache, v_shape, v_strides)
+        return HostDescriptor(k_cache, k_shape, k_strides), HostDescriptor(v_cache, v_shape, v_strides)
 
     def _launch(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, sinks, cu_seqlens_q, out, lse):
-        k_descriptor, v_descriptor = self._descriptors(k_cache, v_cache)
+        k_descriptor = v_descriptor = None
+        if self.cache_views is not None:
+            k_descriptor, v_descriptor = self._descriptors(k_cache, v_cache)
         if self.splits == 1:
             self.attend_launch(q.device, q, k_cache, v_cache, k_descriptor, v_descriptor, k, v, out, lse, None, None,
                                None, cache_seqlens,
