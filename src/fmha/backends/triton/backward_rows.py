@@ -4,6 +4,11 @@
   whole query blocks (padded rows and rows that saw no key get LSE +inf, so their P is 0), and
   the fp32 dQ buffer zeroed, in one pass;
 * :func:`finish_dq_kernel`: dQ = scale · buffer, in q's dtype and strides.
+
+Both walk the (batch, head) pairs from the last, against the order of the kernels around them:
+the rows pass meets the forward's last outputs while L2 still holds them and ends on the heads
+the backward starts with (their zeroed dQ rows and statistics still in L2), and the finish meets
+the backward's last dQ sums first.
 """
 
 import triton
@@ -22,7 +27,7 @@ def backward_rows_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    batch_head = tl.num_programs(1) - 1 - tl.program_id(1)  # the last (batch, head) first
     batch = batch_head // num_q_heads
     head = batch_head % num_q_heads
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -52,7 +57,7 @@ def finish_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    batch_head = tl.num_programs(1) - 1 - tl.program_id(1)  # the last (batch, head) first
     batch = batch_head // num_q_heads
     head = batch_head % num_q_heads
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
