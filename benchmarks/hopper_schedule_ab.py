@@ -1,14 +1,14 @@
 """Schedule variants of the Gluon Hopper forward on the score-feature cases, interleaved (GPU, sm_90).
 
 For each case the default path's schedule (``fmha.tuning.lookup.hopper_schedule``) runs beside
-copies of it with fields replaced (``--variant lazy_rescale=1``, ``--variant emulated_exp2=2,lazy_rescale=1``).
+copies of it with fields replaced (``--variant pack_p=1``, ``--variant emulated_exp2=2,pack_p=1``).
 Every variant's output is checked against the default's first (bitwise equality is not expected: a
 variant may round differently), then all are timed round-robin, ``--rounds`` times; the kernel's
 own time comes from the profiler, which moves less between runs than the wall clock. TFLOP/s count
 the pairs each row sees. The packed cases (the `features` suite's nine sequences) go through
 ``fmha.varlen_attention``, which takes no config: the schedule lookup is replaced for their calls.
 
-    PYTHONPATH=src python benchmarks/hopper_schedule_ab.py out.json --variant lazy_rescale=1
+    PYTHONPATH=src python benchmarks/hopper_schedule_ab.py out.json --variant pack_p=1
 """
 
 import argparse

@@ -13,22 +13,13 @@ import torch
 
 import fmha
 from fmha.testing import time_ms
+from hopper_schedule_ab import kernel_times  # benchmarks/ is the script's directory
 
 
-def kernel_times(fn, repeats=10) -> dict:
-    """Device microseconds per call of the five longest kernels ``fn`` launches."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    times = {}
-    for event in profile.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:60]
-            times[name] = times.get(name, 0.0) + event.device_time / repeats
-    return {name: round(us, 1) for name, us in sorted(times.items(), key=lambda item: -item[1])[:5]}
+def longest_kernels(fn, count=5) -> dict:
+    """Device microseconds per call of the ``count`` longest kernels ``fn`` launches."""
+    times = sorted(kernel_times(fn, repeats=10).items(), key=lambda item: -item[1])[:count]
+    return {name[:60]: round(us, 1) for name, us in times}
 
 
 def main():
@@ -48,7 +39,7 @@ def main():
 
         for mode, fn in (("bwd", backward), ("fwdbwd", forward_backward)):
             medians = [round(time_ms(fn)[0] * 1e3, 1) for _ in range(3)]
-            rows.append({"causal": causal, "mode": mode, "do_bench_us": medians, "kernels_us": kernel_times(fn)})
+            rows.append({"causal": causal, "mode": mode, "do_bench_us": medians, "kernels_us": longest_kernels(fn)})
     print(json.dumps(rows))
 
 
