@@ -24,7 +24,8 @@ from hopper_schedule_ab import kernel_times, parse_variant, write_result  # benc
 # (name, B, H, S, D, causal, window); varlen: the nine sequences
 CASES = [("D64 S4k", 4, 32, 4096, 64, False, None), ("D64 S4k causal", 4, 32, 4096, 64, True, None),
          ("D128 S4k", 4, 16, 4096, 128, False, None), ("D128 S4k causal", 4, 16, 4096, 128, True, None),
-         ("D128 S1k causal", 16, 16, 1024, 128, True, None), ("D128 S1k", 16, 16, 1024, 128, False, None), ("D128 S16k causal", 1, 16, 16384, 128, True, None),
+         ("D128 S1k causal", 16, 16, 1024, 128, True, None),
+         ("D128 S1k", 16, 16, 1024, 128, False, None), ("D128 S16k causal", 1, 16, 16384, 128, True, None),
          ("window 1024", 1, 16, 16384, 128, True, (1023, 0)), ("window 4096", 1, 16, 16384, 128, True, (4095, 0)),
          ("varlen 9", None, 16, None, 128, True, None),
          ("D64 S1k", 16, 32, 1024, 64, False, None), ("D64 S1k causal", 16, 32, 1024, 64, True, None),

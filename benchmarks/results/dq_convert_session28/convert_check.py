@@ -33,8 +33,8 @@ for (b, hq, hkv, sq, sk, d, causal) in [(2, 4, 4, 777, 1500, 128, False), (2, 4,
         refs = torch.autograd.grad(ref_out, (qr, kr, vr), dout.double())
         # PyTorch's own same-precision error: the math backend in dtype
         qm, km, vm = (t.detach().requires_grad_() for t in (q, k, v))
-        om = torch.nn.functional.scaled_dot_product_attention(qm, km.repeat_interleave(g, 1), vm.repeat_interleave(g, 1),
-                                                              is_causal=False, attn_mask=mask if causal else None)
+        om = torch.nn.functional.scaled_dot_product_attention(
+            qm, km.repeat_interleave(g, 1), vm.repeat_interleave(g, 1), attn_mask=mask if causal else None)
         torch_grads = torch.autograd.grad(om, (qm, km, vm), dout)
         for name, got, ref, tg in zip("qkv", grads, refs, torch_grads):
             err = (got.double() - ref).abs().max().item()
