@@ -1,5 +1,9 @@
 """SM clock and power while fmha and cuDNN run the same forward+backward back to back (nvidia-smi sampled)."""
-import json, subprocess, sys, time
+import json
+import subprocess
+import sys
+import time
+
 import torch
 import fmha
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -17,7 +21,8 @@ for name, (b, h, s, d, causal) in {"D128 S16k": (1, 16, 16384, 128, False), "D64
             return torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                        (q, k, v), grad)
     for provider, fn in (("fmha", run_fmha), ("cudnn", run_cudnn), ("fmha again", run_fmha)):
-        fn(); torch.cuda.synchronize()
+        fn()
+        torch.cuda.synchronize()
         sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
                                     "--format=csv,noheader,nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True)
         time.sleep(0.3)
@@ -26,10 +31,12 @@ for name, (b, h, s, d, causal) in {"D128 S16k": (1, 16, 16384, 128, False), "D64
         start.record()
         for _ in range(calls):
             fn()
-        end.record(); torch.cuda.synchronize()
+        end.record()
+        torch.cuda.synchronize()
         sampler.terminate()
         samples = [line.split(", ") for line in sampler.communicate()[0].strip().splitlines()]
-        clocks = [float(x[0]) for x in samples[3:]]; power = [float(x[1]) for x in samples[3:]]
+        clocks = [float(x[0]) for x in samples[3:]]
+        power = [float(x[1]) for x in samples[3:]]
         ms = start.elapsed_time(end) / calls
         flops = 3.5 * 4 * b * h * s * s * d / (2 if causal else 1)
         results[f"{name} {provider}"] = {"ms": ms, "tflops": flops / ms / 1e9, "calls": calls,
