@@ -40,17 +40,19 @@ def merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, num_splits, 
     acc = tl.zeros([index.shape[0], offs_d.shape[0]], dtype=tl.float32)
     for first in range(0, num_splits, CHUNKS):
         chunks = first + tl.arange(0, CHUNKS)
-        live = (chunks < num_splits)[:, None] & in_range[None, :]  # [CHUNKS, rows]
-        rows = chunks.to(tl.int64)[:, None] * num_rows + index[None, :]
+        # [rows, CHUNKS(, columns)]: the compiler spreads the warps over the first axis, so the sums
+        # over the chunks stay within each thread.
+        live = in_range[:, None] & (chunks < num_splits)[None, :]
+        rows = index[:, None] + chunks.to(tl.int64)[None, :] * num_rows
         lse = tl.load(PartialLse + rows, mask=live, other=float("-inf"), cache_modifier=CACHE_MODIFIER)
         part = tl.load(PartialOut + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
                        mask=live[:, :, None] & d_in_range, other=0.0, cache_modifier=CACHE_MODIFIER)
-        new_max = tl.maximum(row_max, tl.max(lse, 0))
+        new_max = tl.maximum(row_max, tl.max(lse, 1))
         new_max_safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # exp2(-inf - 0) = 0, never NaN
         rescale = tl.math.exp2(row_max - new_max_safe)
-        weight = tl.math.exp2(lse - new_max_safe[None, :])
-        total = total * rescale + tl.sum(weight, 0)
-        acc = acc * rescale[:, None] + tl.sum(weight[:, :, None] * part, 0)
+        weight = tl.math.exp2(lse - new_max_safe[:, None])
+        total = total * rescale + tl.sum(weight, 1)
+        acc = acc * rescale[:, None] + tl.sum(weight[:, :, None] * part, 1)
         row_max = new_max
     seen = total > 0.0
     out = acc / tl.where(seen, total, 1.0)[:, None]
