@@ -76,9 +76,12 @@ def test_the_plan_only_takes_underfilled_decode_grids():
         return AttentionParams.of(q, k, AttentionOptions(scale=1.0))
 
     decode = split_kv_config(params(1, 32, 8, 1, 4096), 132)
-    assert decode is not None and decode.block_m == 16 and 8 * decode.splits >= 132
-    assert split_kv_config(params(8, 32, 8, 1, 2048), 132).splits == 5  # 64 KV heads: half the GPU
-    assert split_kv_config(params(64, 32, 8, 1, 2048), 132).splits == 1  # the GPU is full: packing only
+    assert decode is not None and decode.block_m == 16 and decode.splits == 16  # a program per multiprocessor
+    assert decode.num_stages == 3  # a small grid reads three key blocks deep
+    assert split_kv_config(params(8, 32, 8, 1, 2048), 132).splits == 2  # 64 KV heads: half the GPU
+    full = split_kv_config(params(64, 32, 8, 1, 2048), 132)  # the GPU is full: packing only
+    assert full.splits == 1 and full.num_stages == 2
+    assert split_kv_config(params(1, 32, 8, 1, 1024), 132).splits == 4  # chunks of at least four key blocks
     assert split_kv_config(params(64, 32, 32, 1, 2048), 132) is None  # and MHA gains nothing
     assert split_kv_config(params(1, 32, 8, 1024, 1024), 132) is None  # prefill
     assert split_kv_config(params(1, 32, 32, 1, 64), 132) is None  # too few keys to split, MHA

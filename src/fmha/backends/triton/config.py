@@ -56,29 +56,35 @@ class SplitKVConfig:
     block_n: int
     num_warps: int
     splits: int
+    num_stages: int = 2
 
     def text(self) -> str:
-        return f"split-KV: {self.splits} chunks, {self.block_m} packed rows x {self.block_n} keys, {self.num_warps} warps"
+        return (f"split-KV: {self.splits} chunks, {self.block_m} packed rows x {self.block_n} keys, {self.num_warps} warps, "
+                f"{self.num_stages} stages")
 
 
 def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
     """The split-KV plan for a decode-like call, or None.
 
     Decode-like: all query rows of a KV head fit one 64-row tile, so K and V are read once per
-    KV head for all its query heads. The chunks bring the grid to about two programs per
-    multiprocessor, each chunk at least two key blocks; a call that needs neither the chunks (its
-    KV heads fill the GPU) nor the packing (one query head per KV head) keeps the per-tile forward.
+    KV head for all its query heads. Key blocks hold 16 KB of K (64 keys at D = 128); the chunks,
+    each at least four blocks, bring the grid to about one program per multiprocessor, and a grid
+    of at most two programs per multiprocessor reads three blocks deep. A call that needs neither
+    the chunks (its KV heads fill the GPU) nor the packing (one query head per KV head) keeps the
+    per-tile forward. (H100, K and V from DRAM: B1 Hq/Hkv 32/8 Sk4096 11.5 us against 13.1 under
+    the earlier rule of two programs per multiprocessor; docs/perf.md, session 30.)
     """
     packed_rows = params.group * params.seqlen_q
     if packed_rows > 64 or params.seqlen_k == 0:
         return None
     programs = params.batch * params.kv_heads
     block_d = padded_head_dim(params.head_dim)
-    block_n = 16 if multiprocessors < 8 else (64 if block_d <= 128 else 32)  # the interpreter: small tiles
-    splits = min(-(-2 * multiprocessors // programs), -(-params.seqlen_k // (2 * block_n)))
-    if splits < 2 and params.group == 1:
-        return None
-    return SplitKVConfig(max(16, triton.next_power_of_2(packed_rows)), block_n, 4, max(splits, 1))
+    block_n = 16 if multiprocessors < 8 else min(128, 8192 // block_d)  # the interpreter: small tiles
+    if params.group == 1 and (programs >= 2 * multiprocessors or params.seqlen_k <= 2 * block_n):
+        return None  # nothing to pack, and the grid is full or the keys few
+    splits = max(1, min(multiprocessors // programs, -(-params.seqlen_k // (4 * block_n))))
+    stages = 3 if programs * splits <= 2 * multiprocessors else 2
+    return SplitKVConfig(max(16, triton.next_power_of_2(packed_rows)), block_n, 4, splits, num_stages=stages)
 
 
 @dataclass(frozen=True)

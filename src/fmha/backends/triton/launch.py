@@ -352,7 +352,8 @@ class SplitKVForward:
             run_compiled(combine_kernel, self.combine_grid, q.device, (*combine_args, *self.constants[1].values()))
             return chunk_kernel
         chunk_kernel = attention_split_kv_kernel[self.grid](
-            *chunk_args, **self.constants[0], num_warps=self.config.num_warps, num_stages=2, **COMPILE_OPTIONS)
+            *chunk_args, **self.constants[0], num_warps=self.config.num_warps, num_stages=self.config.num_stages,
+            **COMPILE_OPTIONS)
         combine_kernel = split_kv_combine_kernel[self.combine_grid](
             *combine_args, **self.constants[1], num_warps=4, num_stages=1, **COMPILE_OPTIONS)
         if not INTERPRETED:
