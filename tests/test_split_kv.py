@@ -31,7 +31,7 @@ def run_split_kv(q, k, v, config, *, left=None, right=None, top_left=False):
     (1, 6, 1, 2, 33, 16),    # MQA, twelve packed rows
 ], ids=lambda shape: "x".join(map(str, shape)))
 @pytest.mark.parametrize("window", [(None, None), (None, 0), (7, 0), (5, 3)], ids=["full", "causal", "left7", "left5right3"])
-@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("splits", [1, 2, 5])
 def test_matches_float64_reference(dtype, shape, window, splits):
     batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim = shape
     q, k, v = random_qkv(*shape, dtype)

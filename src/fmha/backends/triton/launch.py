@@ -310,7 +310,8 @@ class PortableForward:
 
 
 class SplitKVForward:
-    """The split-KV forward for one call signature: the chunk kernel, then the combine kernel.
+    """The split-KV forward for one call signature: the chunk kernel, then the combine kernel (none
+    where one chunk holds every key: the chunk kernel then writes the output itself).
 
     Both compile through the JIT on the first call and launch directly afterwards.
     """
@@ -333,7 +334,7 @@ class SplitKVForward:
         block_d = padded_head_dim(p.head_dim)
         self.constants = (
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype)),
+                 HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype), ONE_CHUNK=splits == 1),
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS,
                  CHUNKS=merge_group(SPLIT_KV_COMBINE_ROWS, block_d, 4, splits)))
         self.integers = ((num_rows, p.kv_heads, p.group, p.seqlen_q, p.seqlen_k, lo, hi,
@@ -342,20 +343,28 @@ class SplitKVForward:
 
     def __call__(self, q, k, v, out, lse):
         splits, num_rows = self.partial_shape
-        partial_out = torch.empty((splits, num_rows, self.params.head_dim), device=q.device, dtype=torch.float32)
-        partial_lse = torch.empty((splits, num_rows), device=q.device, dtype=torch.float32)
-        chunk_args = (q, k, v, partial_out, partial_lse, *q.stride(), *k.stride(), *v.stride(), *self.integers[0])
+        one_chunk = self.constants[0]["ONE_CHUNK"]
+        if one_chunk:  # the chunk kernel writes out and lse itself; the partials are not read
+            partial_out, partial_lse = lse, lse
+        else:
+            partial_out = torch.empty((splits, num_rows, self.params.head_dim), device=q.device, dtype=torch.float32)
+            partial_lse = torch.empty((splits, num_rows), device=q.device, dtype=torch.float32)
+        chunk_args = (q, k, v, out, lse, partial_out, partial_lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                      *self.integers[0])
         combine_args = (partial_out, partial_lse, out, lse, *out.stride(), *self.integers[1])
         if self.compiled is not None:
             chunk_kernel, combine_kernel = self.compiled
             run_compiled(chunk_kernel, self.grid, q.device, (*chunk_args, *self.constants[0].values()))
-            run_compiled(combine_kernel, self.combine_grid, q.device, (*combine_args, *self.constants[1].values()))
+            if not one_chunk:
+                run_compiled(combine_kernel, self.combine_grid, q.device, (*combine_args, *self.constants[1].values()))
             return chunk_kernel
         chunk_kernel = attention_split_kv_kernel[self.grid](
             *chunk_args, **self.constants[0], num_warps=self.config.num_warps, num_stages=self.config.num_stages,
             **COMPILE_OPTIONS)
-        combine_kernel = split_kv_combine_kernel[self.combine_grid](
-            *combine_args, **self.constants[1], num_warps=4, num_stages=1, **COMPILE_OPTIONS)
+        combine_kernel = None
+        if not one_chunk:
+            combine_kernel = split_kv_combine_kernel[self.combine_grid](
+                *combine_args, **self.constants[1], num_warps=4, num_stages=1, **COMPILE_OPTIONS)
         if not INTERPRETED:
             assert attention_split_kv_kernel.arg_names[-len(self.constants[0]):] == list(self.constants[0])
             assert split_kv_combine_kernel.arg_names[-len(self.constants[1]):] == list(self.constants[1])

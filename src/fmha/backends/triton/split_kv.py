@@ -74,16 +74,19 @@ def merge_group(rows: int, block_d: int, num_warps: int, splits: int) -> int:
 
 @triton.jit
 def attention_split_kv_kernel(
-    Q, K, V, PartialOut, PartialLse,
+    Q, K, V, Out, Lse, PartialOut, PartialLse,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
     num_rows, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, chunk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
 ):
     """Program (split, batch * KV head, packed block): ``PartialOut[split, b, h, i]`` and
-    ``PartialLse[split, b, h, i]`` (log2 units) over keys [split * chunk, (split + 1) * chunk)."""
+    ``PartialLse[split, b, h, i]`` (log2 units) over keys [split * chunk, (split + 1) * chunk).
+    ONE_CHUNK (one chunk holds every key): ``Out[b, h, i]`` and ``Lse[b, h, i]`` (natural log)
+    directly, with no combine kernel after it."""
     split = tl.program_id(0)
     batch = tl.program_id(1) // num_kv_heads
     kv_head = tl.program_id(1) % num_kv_heads
@@ -132,8 +135,14 @@ def attention_split_kv_kernel(
     lse = tl.where(seen, row_max + tl.math.log2(row_sum_safe), float("-inf"))
     # (split, batch, head, row) flattened: rows of one split are [0, num_rows)
     index = split.to(tl.int64) * num_rows + (batch * num_kv_heads * group_size + head) * seqlen_q + rows
-    tl.store(PartialOut + index[:, None] * HEAD_DIM + offs_d[None, :], out, mask=in_range[:, None] & d_in_range)
-    tl.store(PartialLse + index, lse, mask=in_range)
+    if ONE_CHUNK:
+        tl.store(Out + batch.to(tl.int64) * stride_ob + head[:, None].to(tl.int64) * stride_oh
+                 + rows[:, None] * stride_om + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty),
+                 mask=in_range[:, None] & d_in_range)
+        tl.store(Lse + index, lse * LN_2, mask=in_range)
+    else:
+        tl.store(PartialOut + index[:, None] * HEAD_DIM + offs_d[None, :], out, mask=in_range[:, None] & d_in_range)
+        tl.store(PartialLse + index, lse, mask=in_range)
 
 
 @triton.jit
