@@ -78,7 +78,9 @@ def test_the_plan_only_takes_underfilled_decode_grids():
     decode = split_kv_config(params(1, 32, 8, 1, 4096), 132)
     assert decode is not None and decode.block_m == 16 and decode.splits == 16  # a program per multiprocessor
     assert decode.num_stages == 3  # a small grid reads three key blocks deep
-    assert split_kv_config(params(8, 32, 8, 1, 2048), 132).splits == 2  # 64 KV heads: half the GPU
+    half = split_kv_config(params(8, 32, 8, 1, 2048), 132)  # 64 KV heads: one chunk each, longer blocks
+    assert half.splits == 1 and half.block_n == 128
+    assert split_kv_config(params(2, 32, 8, 1, 4096), 132).splits == 8  # 16 KV heads: eight chunks each
     full = split_kv_config(params(64, 32, 8, 1, 2048), 132)  # the GPU is full: packing only
     assert full.splits == 1 and full.num_stages == 2
     assert split_kv_config(params(1, 32, 8, 1, 1024), 132).splits == 4  # chunks of at least four key blocks

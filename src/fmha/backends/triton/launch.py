@@ -336,7 +336,7 @@ class SplitKVForward:
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype), ONE_CHUNK=splits == 1),
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS,
-                 CHUNKS=merge_group(SPLIT_KV_COMBINE_ROWS, block_d, 4, splits)))
+                 CHUNKS=merge_group(SPLIT_KV_COMBINE_ROWS, block_d, 4, splits, registers=128)))
         self.integers = ((num_rows, p.kv_heads, p.group, p.seqlen_q, p.seqlen_k, lo, hi,
                           p.options.scale * LOG2_E, self.chunk), (num_rows, p.q_heads, p.seqlen_q, splits))
         self.compiled = None

@@ -61,14 +61,15 @@ def merge_chunks(PartialOut, PartialLse, index, in_range, num_rows, num_splits, 
     return out, lse
 
 
-def merge_group(rows: int, block_d: int, num_warps: int, splits: int) -> int:
+def merge_group(rows: int, block_d: int, num_warps: int, splits: int, registers: int = 64) -> int:
     """Chunks :func:`merge_chunks` loads at once: a power of two, at most ``splits`` rounded up, and
-    ``rows · block_d`` float32 values per chunk within about 64 registers a thread. Tiles of more
-    than 16 rows (prefill: compute-bound, few chunks) take one chunk at a time: CUDA 13's ptxas
-    crashed on a merge of 2 chunks x 128 rows x 64 columns (H100, triton 3.6)."""
+    ``rows · block_d`` float32 values per chunk within about ``registers`` a thread (the KV-cache
+    kernel's merge shares its registers with the key loop; the combine kernel has nothing else).
+    Tiles of more than 16 rows (prefill: compute-bound, few chunks) take one chunk at a time: CUDA
+    13's ptxas crashed on a merge of 2 chunks x 128 rows x 64 columns (H100, triton 3.6)."""
     if rows > 16:
         return 1
-    budget = 64 * 32 * num_warps // (rows * block_d)
+    budget = registers * 32 * num_warps // (rows * block_d)
     return max(1, min(triton.next_power_of_2(max(splits, 1)), triton.next_power_of_2(budget + 1) // 2))
 
 
