@@ -6,7 +6,7 @@ a sweep of chunk counts and tiles, and host time per call.
         [--small-sweep [--tiles 128x8x3,...] [--shapes 8:2048,... --splits 1,2,...]]
     (--no-host: skip host time per call; --small-sweep: only the small cases, over more tiles and chunks;
     --tiles: the sweep's tiles as block_n x warps x stages, "p" after one for pointer loads only (no bulk
-    copies); --shapes: dense batch:length cases instead)
+    copies), "t" for bulk copies wherever the cache allows them; --shapes: dense batch:length cases instead)
 
 Cases (bf16, Hq/Hkv = 32/8, D = 128, one query per sequence):
 * dense: B32, Sk 8192 (copy floor ~358 us at 3.0 TB/s);
@@ -180,19 +180,25 @@ def sweep_configs(sets, kv_bytes, sweep) -> list:
     for repeat in range(sweep.get("repeats", 1)):
         for block_n, num_warps, num_stages, *loads in sweep["tiles"]:
             for splits in sweep["splits"]:
-                # "pointer": no bulk copies, where the heuristic's rule would take them for these chunks
+                # "pointer": no bulk copies, where the heuristic's rule would take them for these chunks;
+                # "bulk": bulk copies wherever the cache allows them (one loop, contiguous, 16-bit)
                 entry = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "splits": splits,
                          "repeat": repeat, "loads": loads[0] if loads else "heuristic"}
 
                 def forced(params, multiprocessors, tiles=(block_n, num_warps, num_stages), splits=splits,
-                           bulk=not loads):
+                           loads=entry["loads"]):
                     chosen = kvcache_config(dataclasses.replace(params, num_splits=splits), multiprocessors)
-                    return KVCacheConfig(chosen.block_m, tiles[0], tiles[1], tiles[2], splits, chosen.one_range,
-                                         bulk and chosen.tma)
+                    tma = {"pointer": False, "heuristic": chosen.tma}.get(loads, chosen.one_range and params.page_size == 0
+                                                                         and params.dtype != torch.float32)
+                    return KVCacheConfig(chosen.block_m, tiles[0], tiles[1], tiles[2], splits, chosen.one_range, tma)
                 kvcache_ops.kvcache_config, original = forced, kvcache_ops.kvcache_config
                 kvcache_ops.forget()
                 try:
                     calls = [lambda args=args: fmha.flash_attn_with_kvcache(**args) for args, _, _ in sets]
+                    if entry["loads"] == "bulk":  # a plan the heuristic never takes: check it first
+                        args, k_cache, v_cache = sets[0]
+                        entry["max_error"] = max_error(calls[0](), args["q"], k_cache, v_cache,
+                                                       args["cache_seqlens"].tolist())
                     us = gpu_us(rotating(calls))
                     entry.update(us=us, GBps=kv_bytes / us / 1e3)
                 except Exception as error:
@@ -283,7 +289,9 @@ def main():
         wide = [(64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 3), (32, 4, 4), (32, 4, 2), (128, 4, 3)]
         if "--tiles" in sys.argv:  # e.g. --tiles 128x8x3,64x4x3 (block_n x warps x stages)
             # a trailing "p": pointer loads only (no bulk copies)
-            wide = [tuple(int(x) for x in tile.rstrip("p").split("x")) + (("pointer",) if tile.endswith("p") else ())
+            # a trailing "t": bulk copies wherever the cache allows them, chunked tiles included
+            wide = [tuple(int(x) for x in tile.rstrip("pt").split("x"))
+                    + ({"p": ("pointer",), "t": ("bulk",)}.get(tile[-1], ()))
                     for tile in sys.argv[sys.argv.index("--tiles") + 1].split(",")]
         cases = [("small B1 Sk4096", 1, 4096, [4096], "contiguous", 16, {"tiles": wide, "splits": [8, 12, 16, 24, 32]},
                   False),
@@ -326,7 +334,8 @@ def main():
             ranked = sorted((e for e in row["sweep"] if "us" in e), key=lambda e: e["us"])
             print(f"{row['case']} sweep: " + ", ".join(
                 f"n{e['block_n']}w{e['num_warps']}s{e['num_stages']}x{e['splits']}"
-                f"{'p' if e['loads'] == 'pointer' else ''} {e['us']:.1f}" for e in ranked[:16]),
+                f"{ {'pointer': 'p', 'bulk': 't'}.get(e['loads'], '')} {e['us']:.1f}"
+                f"{' err %.1e' % e['max_error'] if 'max_error' in e else ''}" for e in ranked[:16]),
                 flush=True)
     small_only = "--small-sweep" in sys.argv
     step = {} if small_only else decode_step_us(copy_rate)
