@@ -1,7 +1,7 @@
 """Decode forwards (few query rows, many keys) on the GPU: GPU time by CUDA-graph replay and host
 time per call, fmha beside SDPA flash and cuDNN in the same run.
 
-    PYTHONPATH=src python benchmarks/decode.py [out.json] [--sweep]
+    PYTHONPATH=src python benchmarks/decode.py [out.json] [--sweep [--shapes B,Hq,Hkv,Sq,Sk,D:...]]
 
 --sweep: instead, the split-KV forward's chunk counts, key blocks and pipeline stages per shape,
 each call rotating over copies of K and V that together exceed three times the 50 MB L2 (a decode
@@ -52,7 +52,7 @@ def sweep_shape(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim) -> dict:
     counts = sorted({max(1, heuristic.splits * f // 4) for f in (2, 4, 8)} | {earlier.splits})
     plans = [dataclasses.replace(heuristic, block_n=n, splits=c, num_stages=st)
              for n in (32, 64, 128) for c in counts for st in (2, 3)]
-    plans += [] if earlier in plans else [earlier]
+    plans += [plan for plan in (heuristic, earlier) if plan not in plans]
     results = []
     for plan in plans:
         forward = SplitKVForward(params, plan)
@@ -84,7 +84,10 @@ SWEEP_SHAPES = SHAPES + [(32, 32, 8, 1, 8192, 128), (2, 32, 8, 1, 4096, 128), (4
 
 def sweep():
     rows = []
-    for shape in SWEEP_SHAPES:
+    shapes = SWEEP_SHAPES
+    if "--shapes" in sys.argv:  # e.g. --shapes 8,32,8,1,2048,64:1,32,8,1,4096,128
+        shapes = [tuple(int(x) for x in spec.split(",")) for spec in sys.argv[sys.argv.index("--shapes") + 1].split(":")]
+    for shape in shapes:
         row = sweep_shape(*shape)
         rows.append(row)
         if row["heuristic"] is None:
@@ -104,7 +107,8 @@ def sweep():
 def main():
     if "--sweep" in sys.argv:
         rows = sweep()
-        paths = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+        paths = [arg for index, arg in enumerate(sys.argv[1:], 1)
+                 if not arg.startswith("--") and sys.argv[index - 1] != "--shapes"]
         if paths:
             with open(paths[0], "w") as handle:
                 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -41,6 +41,16 @@ def test_matches_float64_reference(dtype, shape, window, splits):
     assert_close_to_reference(out, q, k, v, window=visible, lse=lse)
 
 
+@pytest.mark.parametrize("window", [(None, None), (None, 0)], ids=["full", "causal"])
+def test_one_chunk_of_long_key_blocks(window):
+    """The plan of half-full grids: one chunk of 256-key blocks, written without the combine kernel;
+    the keys end inside a block."""
+    q, k, v = random_qkv(2, 8, 2, 1, 600, 32, torch.float32)
+    out, lse, visible = run_split_kv(q, k, v, SplitKVConfig(16, 256, 1, 1, num_stages=3), left=window[0],
+                                     right=window[1])
+    assert_close_to_reference(out, q, k, v, window=visible, lse=lse)
+
+
 def test_rows_that_see_no_key_and_chunks_outside_the_window():
     """Sq > Sk bottom-right causal with a left bound: the first rows see nothing, several packed
     tiles, and chunks that hold no key a tile sees."""
@@ -81,6 +91,7 @@ def test_the_plan_only_takes_underfilled_decode_grids():
     half = split_kv_config(params(8, 32, 8, 1, 2048), 132)  # 64 KV heads: one chunk each, longer blocks
     assert half.splits == 1 and half.block_n == 128
     assert split_kv_config(params(2, 32, 8, 1, 4096), 132).splits == 8  # 16 KV heads: eight chunks each
+    assert split_kv_config(params(6, 32, 8, 1, 4096), 132).splits == 2  # 48 KV heads: too few to stream alone
     full = split_kv_config(params(64, 32, 8, 1, 2048), 132)  # the GPU is full: packing only
     assert full.splits == 1 and full.num_stages == 2
     assert split_kv_config(params(1, 32, 8, 1, 1024), 132).splits == 4  # chunks of at least four key blocks

@@ -69,8 +69,8 @@ def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
     Decode-like: all query rows of a KV head fit one 64-row tile, so K and V are read once per
     KV head for all its query heads. Key blocks hold 16 KB of K (64 keys at D = 128); the chunks,
     each at least four blocks, bring the grid to about one program per multiprocessor (where that
-    makes two chunks on more than a third of the GPU, one chunk of 32 KB blocks), and a grid of at
-    most two programs per multiprocessor reads three blocks deep. A call that needs neither
+    makes two chunks on nearly half the GPU, one chunk of 32 KB blocks), and a grid of at most two
+    programs per multiprocessor reads three blocks deep. A call that needs neither
     the chunks (its KV heads fill the GPU) nor the packing (one query head per KV head) keeps the
     per-tile forward. (H100, K and V from DRAM: B1 Hq/Hkv 32/8 Sk4096 11.5 us against 13.1 under
     the earlier rule of two programs per multiprocessor; docs/perf.md, session 30.)
@@ -84,9 +84,10 @@ def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
     if params.group == 1 and (programs >= 2 * multiprocessors or params.seqlen_k <= 2 * block_n):
         return None  # nothing to pack, and the grid is full or the keys few
     splits = max(1, min(multiprocessors // programs, -(-params.seqlen_k // (4 * block_n))))
-    if splits == 2 and 3 * programs > multiprocessors and multiprocessors >= 8:
-        # Programs on more than a third of the GPU stream one chunk each in blocks twice as long,
-        # with no combine kernel (H100, B8 Hq/Hkv 32/8 Sk2048: 26.3 us against 27.6 with two chunks).
+    if splits == 2 and 16 * programs >= 7 * multiprocessors and multiprocessors >= 8:
+        # Programs on nearly half the GPU stream one chunk each in blocks twice as long, with no
+        # combine kernel (H100: 64 programs, B8 Hq/Hkv 32/8 Sk2048, 26.3 us against 27.6 with two
+        # chunks; 48 programs, B6 Sk4096, lose: 44.6 against 39.5; docs/perf.md, session 30).
         splits, block_n = 1, 2 * block_n
     stages = 3 if programs * splits <= 2 * multiprocessors else 2
     return SplitKVConfig(max(16, triton.next_power_of_2(packed_rows)), block_n, 4, splits, num_stages=stages)
