@@ -70,10 +70,10 @@ def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
     KV head for all its query heads. Key blocks hold 16 KB of K (64 keys at D = 128); the chunks,
     each at least four blocks, bring the grid to about one program per multiprocessor (where that
     makes two chunks on nearly half the GPU, one chunk of 32 KB blocks), and a grid of at most two
-    programs per multiprocessor reads three blocks deep. A call that needs neither
-    the chunks (its KV heads fill the GPU) nor the packing (one query head per KV head) keeps the
-    per-tile forward. (H100, K and V from DRAM: B1 Hq/Hkv 32/8 Sk4096 11.5 us against 13.1 under
-    the earlier rule of two programs per multiprocessor; docs/perf.md, session 30.)
+    programs per multiprocessor reads three blocks deep. A call that needs neither the chunks (its
+    KV heads fill the GPU) nor the packing (one query head per KV head) keeps the per-tile forward.
+    (H100, K and V from DRAM: B1 Hq/Hkv 32/8 Sk4096 11.5 us against 13.1 under the earlier rule of
+    two programs per multiprocessor; docs/perf.md, session 30.)
     """
     packed_rows = params.group * params.seqlen_q
     if packed_rows > 64 or params.seqlen_k == 0:
