@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 import fmha
-from fmha.backends.triton.config import SplitKVConfig, split_kv_config
+from fmha.backends.triton.config import split_kv_config
 from fmha.backends.triton.launch import SplitKVForward
 from fmha.params import attention_params
 from fmha.runtime import multiprocessors

@@ -80,11 +80,12 @@ def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
         return None
     programs = params.batch * params.kv_heads
     block_d = padded_head_dim(params.head_dim)
-    block_n = 16 if multiprocessors < 8 else min(128, 8192 // block_d)  # the interpreter: small tiles
+    interpreted = multiprocessors < 8  # the interpreter: small tiles, no rules from GPU timings
+    block_n = 16 if interpreted else min(128, 8192 // block_d)
     if params.group == 1 and (programs >= 2 * multiprocessors or params.seqlen_k <= 2 * block_n):
         return None  # nothing to pack, and the grid is full or the keys few
     splits = max(1, min(multiprocessors // programs, -(-params.seqlen_k // (4 * block_n))))
-    if splits == 2 and 16 * programs >= 7 * multiprocessors and multiprocessors >= 8:
+    if splits == 2 and 16 * programs >= 7 * multiprocessors and not interpreted:
         # Programs on nearly half the GPU stream one chunk each in blocks twice as long, with no
         # combine kernel (H100: 64 programs, B8 Hq/Hkv 32/8 Sk2048, 26.3 us against 27.6 with two
         # chunks; 48 programs, B6 Sk4096, lose: 44.6 against 39.5; docs/perf.md, session 30).

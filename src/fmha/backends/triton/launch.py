@@ -317,7 +317,7 @@ class SplitKVForward:
     """
 
     __slots__ = ("params", "config", "chunk", "grid", "combine_grid", "constants", "integers", "compiled",
-                 "partial_shape")
+                 "partial_shape", "one_chunk")
 
     def __init__(self, params: AttentionParams, config: SplitKVConfig):
         has_left, has_right, lo, hi = window_bounds(params)
@@ -331,10 +331,11 @@ class SplitKVForward:
         num_rows = p.batch * p.q_heads * p.seqlen_q
         self.combine_grid = (-(-num_rows // SPLIT_KV_COMBINE_ROWS), 1, 1)
         self.partial_shape = (splits, num_rows)
+        self.one_chunk = splits == 1  # the chunk kernel writes the output; no combine kernel
         block_d = padded_head_dim(p.head_dim)
         self.constants = (
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype), ONE_CHUNK=splits == 1),
+                 HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype), ONE_CHUNK=self.one_chunk),
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS,
                  CHUNKS=merge_group(SPLIT_KV_COMBINE_ROWS, block_d, 4, splits, registers=128)))
         self.integers = ((num_rows, p.kv_heads, p.group, p.seqlen_q, p.seqlen_k, lo, hi,
@@ -343,28 +344,30 @@ class SplitKVForward:
 
     def __call__(self, q, k, v, out, lse):
         splits, num_rows = self.partial_shape
-        one_chunk = self.constants[0]["ONE_CHUNK"]
-        if one_chunk:  # the chunk kernel writes out and lse itself; the partials are not read
-            partial_out, partial_lse = lse, lse
+        if self.one_chunk:  # the partials are not read: any fp32 pointer stands in
+            partial_out = partial_lse = lse
         else:
             partial_out = torch.empty((splits, num_rows, self.params.head_dim), device=q.device, dtype=torch.float32)
             partial_lse = torch.empty((splits, num_rows), device=q.device, dtype=torch.float32)
-        chunk_args = (q, k, v, out, lse, partial_out, partial_lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        out_strides = out.stride()
+        chunk_args = (q, k, v, out, lse, partial_out, partial_lse, *q.stride(), *k.stride(), *v.stride(), *out_strides,
                       *self.integers[0])
-        combine_args = (partial_out, partial_lse, out, lse, *out.stride(), *self.integers[1])
         if self.compiled is not None:
             chunk_kernel, combine_kernel = self.compiled
             run_compiled(chunk_kernel, self.grid, q.device, (*chunk_args, *self.constants[0].values()))
-            if not one_chunk:
-                run_compiled(combine_kernel, self.combine_grid, q.device, (*combine_args, *self.constants[1].values()))
+            if not self.one_chunk:
+                run_compiled(combine_kernel, self.combine_grid, q.device,
+                             (partial_out, partial_lse, out, lse, *out_strides, *self.integers[1],
+                              *self.constants[1].values()))
             return chunk_kernel
         chunk_kernel = attention_split_kv_kernel[self.grid](
             *chunk_args, **self.constants[0], num_warps=self.config.num_warps, num_stages=self.config.num_stages,
             **COMPILE_OPTIONS)
         combine_kernel = None
-        if not one_chunk:
+        if not self.one_chunk:
             combine_kernel = split_kv_combine_kernel[self.combine_grid](
-                *combine_args, **self.constants[1], num_warps=4, num_stages=1, **COMPILE_OPTIONS)
+                partial_out, partial_lse, out, lse, *out_strides, *self.integers[1], **self.constants[1], num_warps=4,
+                num_stages=1, **COMPILE_OPTIONS)
         if not INTERPRETED:
             assert attention_split_kv_kernel.arg_names[-len(self.constants[0]):] == list(self.constants[0])
             assert split_kv_combine_kernel.arg_names[-len(self.constants[1]):] == list(self.constants[1])
