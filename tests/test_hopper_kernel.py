@@ -64,7 +64,7 @@ for variant in json.loads(sys.argv[1]):
                                              varlen="varlen" in extra, features=features)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options=launch.hopper_compile_options(schedule))
+                                  options=launch.hopper_compile_options(schedule, "varlen" in extra))
     except Exception as error:
         report[",".join(map(str, variant))] = {"error": launch.build_error_summary(error)}
         continue

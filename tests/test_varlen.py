@@ -161,7 +161,7 @@ def test_tile_list_holds_every_tile_once_deepest_first(lengths, block, from_end,
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(-7))  # unwritten entries show
     cu = cu_seqlens(lengths)
-    tile_list = TileList(len(lengths), sum(lengths), block, from_end)
+    tile_list = TileList(len(lengths), sum(lengths), block, from_end, device=cu.device)
     flat = tile_list(cu)
     assert flat.shape == (2 * tile_list.entries + 1,)
     assert tile_list.counter(flat).tolist() == [0]  # the zeroed tile counter after the list

@@ -60,6 +60,14 @@ def compiles_to_ptx(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def chains_launches(device: torch.device) -> bool:
+    """Whether the kernels of one call launch as a chain (programmatic dependent launch, sm_90 on):
+    each may start while the one before it finishes, and waits for it before touching memory
+    (:func:`fmha.backends.triton.common.chain_launches`)."""
+    return compiles_to_ptx(device) and compute_capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
 def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_properties(device).name
 

@@ -213,7 +213,7 @@ class HopperBackward:
         self.compiled, constants = built
         if params.varlen:  # one batch of the packed rows; programs take key blocks from the list
             self.batch, self.seqlen_q, seqlen_k = 1, params.total_q, params.total_k
-            self.tile_list = TileList(params.batch, params.total_k, schedule.block_n, from_end=True)
+            self.tile_list = TileList(params.batch, params.total_k, schedule.block_n, from_end=True, device=params.device)
             self.grid = self.tile_list.entries * params.kv_heads
         else:
             self.batch, self.seqlen_q, seqlen_k = params.batch, params.seqlen_q, params.seqlen_k

@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from . import slot_barriers
+from .chain import wait_for_previous_kernel
 from .schedule import register_budget as schedule_registers
 from .tile_queue import allocate_tile_slots, draw_tile, hand_out_tile, take_tile
 from .masking import key_blocks, sequence_span, visible, visible_block
@@ -941,6 +942,8 @@ def attention_forward_hopper_kernel(
     tile_slots = (TileCounter,)  # not read without DYNAMIC
     if DYNAMIC:
         tile_slots = allocate_tile_slots(TileCounter, CONSUMERS)
+    if VARLEN:  # launched as the tile list's kernel starts: its list and counter are ready after this
+        wait_for_previous_kernel()
 
     score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, Sinks, stride_sh, RngState, dropout_threshold,
                   dropout_scale, Mask, (stride_mb, stride_mh, stride_mm, stride_mn))

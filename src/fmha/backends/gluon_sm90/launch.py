@@ -195,10 +195,12 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
     return GluonASTSource(attention_forward_hopper_kernel, signature, constants), tuple(constants.values())
 
 
-def hopper_compile_options(schedule: HopperSchedule) -> dict:
+def hopper_compile_options(schedule: HopperSchedule, varlen: bool = False) -> dict:
     """Compile options of the Gluon forward: the launch register count lets ``ctas_per_sm`` CTAs
-    share a multiprocessor (:func:`fmha.backends.gluon_sm90.schedule.register_budget`)."""
-    return {"num_warps": 4, "maxnreg": register_budget(schedule.consumers, schedule.ctas_per_sm)[0], **COMPILE_OPTIONS}
+    share a multiprocessor (:func:`fmha.backends.gluon_sm90.schedule.register_budget`); packed
+    sequences launch as the tile list's kernel starts (programmatic dependent launch)."""
+    return {"num_warps": 4, "maxnreg": register_budget(schedule.consumers, schedule.ctas_per_sm)[0],
+            **({"launch_pdl": True} if varlen else {}), **COMPILE_OPTIONS}
 
 
 def left_bound(params: AttentionParams, schedule: HopperSchedule) -> int:
@@ -228,7 +230,7 @@ def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: 
     """
     return build_gluon(device, lambda: hopper_forward_source(dtype, head_dim, causal, schedule, has_left, varlen,
                                                              features),
-                       hopper_compile_options(schedule), "forward")
+                       hopper_compile_options(schedule, varlen), "forward")
 
 
 def build_gluon(device: torch.device, make_source, options: dict, what: str):
@@ -279,7 +281,7 @@ class HopperForward:
         self.compiled = compiled
         self.mask_builds = {features.mask_keys: compiled}  # by MASK_KEYS
         if params.varlen:
-            self.tile_list = TileList(params.batch, params.total_q, schedule.block_m, from_end=False)
+            self.tile_list = TileList(params.batch, params.total_q, schedule.block_m, from_end=False, device=params.device)
             num_tiles = self.tile_list.entries * params.q_heads
             seqlen_q, seqlen_k = params.total_q, params.total_k
         else:

@@ -2,6 +2,7 @@
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -14,3 +15,17 @@ def load_rows(ptrs, rows, num_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.
         return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     else:
         return tl.load(ptrs)
+
+
+@triton.jit
+def chain_launches(PDL: tl.constexpr):
+    """Programmatic dependent launch (sm_90 on), for kernels that follow one another in one call.
+
+    Each kernel of the chain lets the next one launch now (its CTAs take their places and run
+    their set-up while this one works), then waits until the kernel before it has finished and
+    its writes are visible. So nothing before this call may read or write global memory: it is
+    called first. Both are no-ops for a kernel launched without the attribute.
+    """
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

@@ -16,8 +16,8 @@ import triton
 
 from ...compat import COMPILE_OPTIONS
 from ...params import NO_SCORE_TENSORS, AttentionParams, ScoreTensors
-from ...runtime import (INTERPRETED, TensorDescriptor, compiles_to_ptx, compute_capability, multiprocessors,
-                        run_compiled)
+from ...runtime import (INTERPRETED, TensorDescriptor, chains_launches, compiles_to_ptx, compute_capability,
+                        multiprocessors, run_compiled)
 from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel, sinks_grad_kernel
 from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatures, SplitKVConfig, padded_head_dim
 from .forward import LOG2_E, attention_forward_kernel
@@ -199,13 +199,13 @@ class TileList:
 
     __slots__ = ("entries", "integers", "constants", "compiled")
 
-    def __init__(self, num_seqs: int, total: int, block: int, from_end: bool):
+    def __init__(self, num_seqs: int, total: int, block: int, from_end: bool, device: torch.device):
         self.entries = max(1, min(total // block + num_seqs, num_seqs * triton.cdiv(total, block)))
         self.integers = (num_seqs, total, self.entries)
         block_seqs = min(1024, max(16, triton.next_power_of_2(num_seqs)))
         # a (depths, sequences) tile of 2,048 entries: 16 int32 a thread in each of the kernel's tensors
         self.constants = dict(BLOCK=block, FROM_END=from_end, BLOCK_SEQS=block_seqs,
-                              BLOCK_DEPTHS=max(1, 2048 // block_seqs))
+                              BLOCK_DEPTHS=max(1, 2048 // block_seqs), PDL=chains_launches(device))
         self.compiled = None
 
     def __call__(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -256,7 +256,7 @@ class PortableForward:
             PERSISTENT=features.persistent, VARLEN=varlen, **self.scores.constants,
         )
         if varlen:
-            self.tile_list = TileList(params.batch, params.total_q, config.block_m, from_end=False)
+            self.tile_list = TileList(params.batch, params.total_q, config.block_m, from_end=False, device=params.device)
             self.grid = self.tile_list.entries * params.q_heads
         else:
             self.tile_list = None
@@ -317,7 +317,7 @@ class SplitKVForward:
     """
 
     __slots__ = ("params", "config", "chunk", "grid", "combine_grid", "constants", "integers", "compiled",
-                 "partial_shape", "one_chunk")
+                 "partial_shape", "one_chunk", "combine_options")
 
     def __init__(self, params: AttentionParams, config: SplitKVConfig):
         has_left, has_right, lo, hi = window_bounds(params)
@@ -333,11 +333,14 @@ class SplitKVForward:
         self.partial_shape = (splits, num_rows)
         self.one_chunk = splits == 1  # the chunk kernel writes the output; no combine kernel
         block_d = padded_head_dim(p.head_dim)
+        pdl = chains_launches(p.device) and not self.one_chunk
         self.constants = (
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype), ONE_CHUNK=self.one_chunk),
+                 HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype), ONE_CHUNK=self.one_chunk,
+                 PDL=pdl),
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS,
-                 CHUNKS=merge_group(SPLIT_KV_COMBINE_ROWS, block_d, 4, splits, registers=128)))
+                 CHUNKS=merge_group(SPLIT_KV_COMBINE_ROWS, block_d, 4, splits, registers=128), PDL=pdl))
+        self.combine_options = {"launch_pdl": True} if pdl else {}
         self.integers = ((num_rows, p.kv_heads, p.group, p.seqlen_q, p.seqlen_k, lo, hi,
                           p.options.scale * LOG2_E, self.chunk), (num_rows, p.q_heads, p.seqlen_q, splits))
         self.compiled = None
@@ -367,7 +370,7 @@ class SplitKVForward:
         if not self.one_chunk:
             combine_kernel = split_kv_combine_kernel[self.combine_grid](
                 partial_out, partial_lse, out, lse, *out_strides, *self.integers[1], **self.constants[1], num_warps=4,
-                num_stages=1, **COMPILE_OPTIONS)
+                num_stages=1, **self.combine_options, **COMPILE_OPTIONS)
         if not INTERPRETED:
             assert attention_split_kv_kernel.arg_names[-len(self.constants[0]):] == list(self.constants[0])
             assert split_kv_combine_kernel.arg_names[-len(self.constants[1]):] == list(self.constants[1])
@@ -424,8 +427,8 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
     # Each kernel keeps block_n rows resident (keys for dK/dV, queries for dQ) and streams
     # block_m rows of the other side past them.
     if p.varlen:
-        key_tiles = TileList(p.batch, keys, config.block_n, from_end=True)
-        query_tiles = TileList(p.batch, rows, config.block_n, from_end=False)
+        key_tiles = TileList(p.batch, keys, config.block_n, from_end=True, device=p.device)
+        query_tiles = TileList(p.batch, rows, config.block_n, from_end=False, device=p.device)
         dkdv_tiles, dq_tiles = key_tiles(cu_seqlens_k), query_tiles(cu_seqlens_q)
         dkdv_grid = (key_tiles.entries * num_kv_heads, 1)
         dq_grid = (query_tiles.entries * num_q_heads, 1)

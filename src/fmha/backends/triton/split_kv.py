@@ -18,7 +18,7 @@ query position; chunks outside a tile's window run no blocks.
 import triton
 import triton.language as tl
 
-from .common import load_rows
+from .common import chain_launches, load_rows
 from .forward import LN_2, _softmax_update
 from .masking import visible
 from .scores import NO_MASK
@@ -83,11 +83,14 @@ def attention_split_kv_kernel(
     num_rows, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, chunk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (split, batch * KV head, packed block): ``PartialOut[split, b, h, i]`` and
     ``PartialLse[split, b, h, i]`` (log2 units) over keys [split * chunk, (split + 1) * chunk).
     ONE_CHUNK (one chunk holds every key): ``Out[b, h, i]`` and ``Lse[b, h, i]`` (natural log)
-    directly, with no combine kernel after it."""
+    directly, with no combine kernel after it. PDL: the combine kernel launches early
+    (:func:`chain_launches`)."""
+    chain_launches(PDL)
     split = tl.program_id(0)
     batch = tl.program_id(1) // num_kv_heads
     kv_head = tl.program_id(1) % num_kv_heads
@@ -152,9 +155,12 @@ def split_kv_combine_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     num_rows, num_q_heads, seqlen_q, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, CHUNKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows (batch, head, i) flattened: the exact softmax over all chunks (``CHUNKS`` loaded at
-    once), into Out and Lse."""
+    once), into Out and Lse. PDL: launched early, it waits for the chunk kernel
+    (:func:`chain_launches`)."""
+    chain_launches(PDL)
     index = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     in_range = index < num_rows
     offs_d = tl.arange(0, BLOCK_D)

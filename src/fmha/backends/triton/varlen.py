@@ -19,6 +19,8 @@ its blocks from the sequence's end (``FROM_END``), where a key block sees the mo
 import triton
 import triton.language as tl
 
+from .common import chain_launches
+
 
 @triton.jit
 def sequence_span(cu_seqlens, seq, total):
@@ -96,7 +98,7 @@ def _list_depths(Tiles, seqs, blocks, depth, first_slot, num_tiles, FROM_END: tl
 @triton.jit
 def varlen_schedule_kernel(CuSeqlens, Tiles, num_seqs, total, num_tiles,
                            BLOCK: tl.constexpr, FROM_END: tl.constexpr, BLOCK_SEQS: tl.constexpr,
-                           BLOCK_DEPTHS: tl.constexpr):
+                           BLOCK_DEPTHS: tl.constexpr, PDL: tl.constexpr):
     """``Tiles[2r], Tiles[2r + 1]`` = sequence and block of the r-th tile; (-1, 0) past the last;
     ``Tiles[2 num_tiles]`` (a tile counter for the kernels that draw tiles) = 0.
 
@@ -104,8 +106,10 @@ def varlen_schedule_kernel(CuSeqlens, Tiles, num_seqs, total, num_tiles,
     block); tiles are written deepest first, sequences in order within one depth. Up to
     BLOCK_SEQS sequences, the lengths are loaded once and BLOCK_DEPTHS depths are listed at a time
     (a tile's slot is the count of deeper tiles plus its rank within its depth); more sequences
-    are listed one depth at a time, BLOCK_SEQS sequences at a time.
+    are listed one depth at a time, BLOCK_SEQS sequences at a time. PDL: the attention kernel
+    launches as this one starts (:func:`chain_launches`).
     """
+    chain_launches(PDL)
     written = 0
     if num_seqs <= BLOCK_SEQS:
         seqs = tl.arange(0, BLOCK_SEQS)
