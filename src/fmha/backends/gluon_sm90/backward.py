@@ -138,7 +138,7 @@ def _load_partition(args, tile_slots, BLOCK_M: gl.constexpr, STAGES: gl.constexp
         tile_count = 0
         tile = draw_tile(counter)
         while tile < num_tiles:
-            hand_out_tile(tile_slots, handed, tile)
+            hand_out_tile(tile_slots, handed, tile, ())
             valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
                 tile, num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN, HEAD_GROUP)
             if valid:
@@ -152,7 +152,7 @@ def _load_partition(args, tile_slots, BLOCK_M: gl.constexpr, STAGES: gl.constexp
                 tile_count += 1
             handed += 1
             tile = draw_tile(counter)
-        hand_out_tile(tile_slots, handed, num_tiles)
+        hand_out_tile(tile_slots, handed, num_tiles, ())
     else:
         valid, batch, kv_head, n_block, q_start, seq_q, k_start, _, seq_lo, seq_hi, _ = _program_tile(
             gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, BLOCK_N, VARLEN,

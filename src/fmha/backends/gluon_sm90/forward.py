@@ -289,9 +289,23 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
 
 
 @gluon.jit
+def _sequence_words(tile, sequences, num_tiles, num_q_heads, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr):
+    """What a packed tile reads from memory: ``(sequence, first row, q_start, seqlen_q, k_start,
+    seqlen_k)``. Tile t is entry t % E of the list's E entries for head t // E; the sequence is -1
+    past the list's end."""
+    cu_seqlens_q, cu_seqlens_k, tiles = sequences
+    entry = tile % (num_tiles // num_q_heads)
+    seq = gl.load(tiles + 2 * entry)
+    first_row = gl.load(tiles + 2 * entry + 1) * BLOCK_M
+    q_start, seq_q = sequence_span(cu_seqlens_q, gl.maximum(seq, 0), seqlen_q)
+    k_start, seq_k = sequence_span(cu_seqlens_k, gl.maximum(seq, 0), seqlen_k)
+    return seq, first_row, q_start, seq_q, k_start, seq_k
+
+
+@gluon.jit
 def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-          VARLEN: gl.constexpr, DYNAMIC: gl.constexpr):
+          VARLEN: gl.constexpr, DYNAMIC: gl.constexpr, words):
     """The program's step-th tile (DYNAMIC: tile ``step`` itself): ``(valid, batch, head, kv_head, first_row, q_start, k_start,
     seqlen_q, seqlen_k, lo, hi, key blocks, sequence)``, its sequence's lengths and window in its own
     rows; ``sequence`` is the batch index, or the packed sequence's.
@@ -300,20 +314,17 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
     (:mod:`fmha.backends.triton.varlen`); tile t is entry t % E of its E entries for head t // E
     (a head's tiles side by side share its K/V in L2); seqlen_q and
     seqlen_k arrive as the packed totals, lo and hi without the sequence's Sk - Sq. Entries past
-    the list's end are not valid. Dense tiles start at token 0 of their batch."""
+    the list's end are not valid. ``words``: the tile's :func:`_sequence_words`, where the caller
+    has them already (else they are loaded). Dense tiles start at token 0 of their batch."""
     if VARLEN:
-        cu_seqlens_q, cu_seqlens_k, tiles = sequences
         if DYNAMIC:
             tile = step
         else:
             tile = gl.program_id(0) + step * gl.num_programs(0)
-        entries = num_tiles // num_q_heads
-        entry = tile % entries
-        head = tile // entries
-        seq = gl.load(tiles + 2 * entry)
-        first_row = gl.load(tiles + 2 * entry + 1) * BLOCK_M
-        q_start, seq_q = sequence_span(cu_seqlens_q, gl.maximum(seq, 0), seqlen_q)
-        k_start, seq_k = sequence_span(cu_seqlens_k, gl.maximum(seq, 0), seqlen_k)
+        if len(words) == 0:
+            words = _sequence_words(tile, sequences, num_tiles, num_q_heads, seqlen_q, seqlen_k, BLOCK_M)
+        seq, first_row, q_start, seq_q, k_start, seq_k = words
+        head = tile // (num_tiles // num_q_heads)
         seq_lo = lo + seq_k - seq_q
         seq_hi = hi + seq_k - seq_q
         blocks = key_blocks(first_row, BLOCK_M, seq_k, seq_lo, seq_hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -331,7 +342,7 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
 def _load_tile(
     step, ring_position, tile_count, args, counter,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-    CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr,
+    CONSUMERS: gl.constexpr, VARLEN: gl.constexpr, DYNAMIC: gl.constexpr, words,
 ):
     """The load warp's part of one tile: its consumers' Q blocks, then its K/V blocks through the
     ring. ``step``: the program's step, or with DYNAMIC the tile itself; returns the ring position
@@ -350,7 +361,7 @@ def _load_tile(
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     valid, batch, head, kv_head, first_row, q_start, k_start, _, _, _, _, blocks, _ = _tile(
         step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
-        CONSUMERS * consumer_rows, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC)
+        CONSUMERS * consumer_rows, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC, words)
     next_tile = 0
     if valid:
         start, _, _, end = blocks
@@ -418,15 +429,26 @@ def _load_partition(
         handed = 0
         tile = draw_tile(counter)
         while tile < num_tiles:
-            hand_out_tile(tile_slots, handed, tile)
+            if VARLEN:  # the consumers get the tile's sequence with it: no loads at their tile's start
+                num_q_heads, seqlen_q, seqlen_k, sequences = args[12], args[14], args[15], args[18]
+                words = _sequence_words(tile, sequences, num_tiles, num_q_heads, seqlen_q, seqlen_k,
+                                        CONSUMERS * args[0].block_type.shape[2])
+                hand_out_tile(tile_slots, handed, tile, words)
+            else:
+                words = ()
+                hand_out_tile(tile_slots, handed, tile, words)
             ring_position, tile_count, tile = _load_tile(tile, ring_position, tile_count, args, counter, BLOCK_N,
-                                                         STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC)
+                                                         STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC,
+                                                         words)
             handed += 1
-        hand_out_tile(tile_slots, handed, num_tiles)
+        if VARLEN:
+            hand_out_tile(tile_slots, handed, num_tiles, (0, 0, 0, 0, 0, 0))
+        else:
+            hand_out_tile(tile_slots, handed, num_tiles, ())
     else:
         for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
             ring_position, tile_count, _ = _load_tile(step, ring_position, tile_count, args, tile_slots[0], BLOCK_N,
-                                                      STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC)
+                                                      STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC, ())
     # Take the consumers' last releases: no named barrier is left half-arrived when the CTA exits.
     for position in range(gl.maximum(ring_position - STAGES, 0), ring_position):
         slot = position % STAGES
@@ -712,9 +734,11 @@ def _consumer_tile(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr,
+    words,
 ):
     """One tile of a consumer: its 64 rows' output and LSE. ``step``: the program's step, or with
-    DYNAMIC the tile itself; returns the ring position and tile count after it."""
+    DYNAMIC the tile itself (and a packed tile's :func:`_sequence_words` from the load warp);
+    returns the ring position and tile count after it."""
     if VARLEN:  # also the sequences, and the output's pointer and strides
         (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
          num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args,
@@ -737,7 +761,7 @@ def _consumer_tile(
     PACKED_P: gl.constexpr = packs_probs(CONSUMERS, DROPOUT, PACK_P)
     valid, batch, head, kv_head, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks, sequence = _tile(
         step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
-        CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC)
+        CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC, words)
     if valid:
         start, full_start, full_end, end = blocks
         ring_base = ring_position - start  # key block b sits at ring position ring_base + b
@@ -870,22 +894,32 @@ def _consumer_partition(
         tile_args = dropout_key(score_args[6])
     ring_position = 0
     tile_count = 0
-    if DYNAMIC:  # tiles as the load warp hands them out, until it hands out num_tiles
+    if DYNAMIC:  # tiles as the load warp hands them out (packed ones with their sequences), until num_tiles
         handed = 0
-        tile = take_tile(tile_slots, handed)
-        while tile < num_tiles:
-            ring_position, tile_count = _consumer_tile(
-                tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
-                HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
-                MASK_KEYS, PACK_P)
-            handed += 1
+        if VARLEN:
+            tile, words = take_tile(tile_slots, handed)
+            while tile < num_tiles:
+                ring_position, tile_count = _consumer_tile(
+                    tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
+                    STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
+                    MASK, MASK_KEYS, PACK_P, words)
+                handed += 1
+                tile, words = take_tile(tile_slots, handed)
+        else:
             tile = take_tile(tile_slots, handed)
+            while tile < num_tiles:
+                ring_position, tile_count = _consumer_tile(
+                    tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
+                    STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
+                    MASK, MASK_KEYS, PACK_P, ())
+                handed += 1
+                tile = take_tile(tile_slots, handed)
     else:
         for step in range(_program_steps(num_tiles, HAS_RIGHT, VARLEN)):
             ring_position, tile_count = _consumer_tile(
                 step, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
                 HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
-                MASK_KEYS, PACK_P)
+                MASK_KEYS, PACK_P, ())
     if TURN == 0:  # take consumer 1's last turn: no named barrier is left half-arrived
         _take_turn(TURN)
     tma.store_wait(0)
@@ -940,8 +974,8 @@ def attention_forward_hopper_kernel(
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
     tile_slots = (TileCounter,)  # not read without DYNAMIC
-    if DYNAMIC:
-        tile_slots = allocate_tile_slots(TileCounter, CONSUMERS)
+    if DYNAMIC:  # a packed tile's slot also holds its sequence (_sequence_words)
+        tile_slots = allocate_tile_slots(TileCounter, CONSUMERS, 7 if VARLEN else 1)
     if VARLEN:  # launched as the tile list's kernel starts: its list and counter are ready after this
         wait_for_previous_kernel()
 
