@@ -23,7 +23,7 @@ import fmha
 from fmha import dispatch
 from fmha.masking import Window
 from fmha.params import attention_params, varlen_params
-from fmha.tools.bench.cases import NINE_SEQUENCES
+from fmha.tools.bench.cases import EQUAL_SEQUENCES, NINE_SEQUENCES, one_long_many_short
 from fmha.tools.bench.metrics import visible_pairs
 from fmha.tuning import lookup
 
@@ -59,13 +59,18 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("softcap 30 non-causal", 4, 16, 4096, 128, False, {"softcap": 30.0}),
          ("softcap 30 D64 non-causal", 4, 32, 4096, 64, False, {"softcap": 30.0}),
          ("softcap 50 sinks", 4, 16, 4096, 128, True, {"softcap": 50.0, "sinks": True}),
-         # packed sequences (batch None): the nine of the `features` suite, causal
+         # packed sequences (batch None): the nine of the `features` suite unless "lengths" says otherwise
          ("varlen 9", None, 16, None, 128, True, {}),
-         ("varlen 9 D64", None, 32, None, 64, True, {})]
+         ("varlen 9 D64", None, 32, None, 64, True, {}),
+         ("varlen 8x2048", None, 16, None, 128, True, {"lengths": EQUAL_SEQUENCES}),
+         ("varlen 16x1024", None, 16, None, 128, True, {"lengths": (1024,) * 16}),
+         ("varlen one long", None, 16, None, 128, True, {"lengths": one_long_many_short()}),
+         ("plain D128 causal S2k", 8, 16, 2048, 128, True, {})]
 
 
 def feature_arguments(heads, kwargs):
     out = dict(kwargs)
+    out.pop("lengths", None)
     if out.pop("alibi", False):
         out["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)
     if out.pop("sinks", False):
@@ -122,13 +127,14 @@ def main():
     for name, batch, heads, seqlen, head_dim, causal, kwargs in chosen:
         torch.manual_seed(0)
         features = feature_arguments(heads, kwargs)
+        packed = kwargs.get("lengths", NINE_SEQUENCES)
         if batch is None:  # packed: varlen_attention takes no config, so the lookup is replaced per call
-            total = sum(NINE_SEQUENCES)
+            total = sum(packed)
             q, k, v = (torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            cu_seqlens = torch.tensor([0, *torch.tensor(NINE_SEQUENCES).cumsum(0).tolist()], dtype=torch.int32,
+            cu_seqlens = torch.tensor([0, *torch.tensor(packed).cumsum(0).tolist()], dtype=torch.int32,
                                       device="cuda")
-            params = varlen_params("varlen_attention", q, k, v, cu_seqlens, cu_seqlens, max(NINE_SEQUENCES),
-                                   max(NINE_SEQUENCES), causal=causal, **features)
+            params = varlen_params("varlen_attention", q, k, v, cu_seqlens, cu_seqlens, max(packed),
+                                   max(packed), causal=causal, **features)
         else:
             q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
@@ -142,7 +148,7 @@ def main():
                 schedules[",".join(f"{key}={v}" for key, v in fields.items())] = dataclasses.replace(default, **value)
             except ValueError as error:  # a field this case's schedule cannot take
                 print(json.dumps({"case": name, "skipped": str(error)}), flush=True)
-        lengths = NINE_SEQUENCES if seqlen is None else [seqlen] * batch
+        lengths = packed if seqlen is None else [seqlen] * batch
         left = kwargs["window"][0] if "window" in kwargs else None
         windows = [Window.of(n, n, left=left, right=0) if causal else None for n in lengths]
         flops = 4 * head_dim * heads * sum(visible_pairs(n, n, window) for n, window in zip(lengths, windows))
