@@ -138,11 +138,14 @@ class _EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.params, ctx.scores, ctx.seqlens = params, scores, seqlens
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # else every backward first fills a zero gradient of the LSE
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
+        if grad_out is None:  # the output did not reach what was differentiated
+            return (None,) * 8
         q, k, v, out, lse, sinks = ctx.saved_tensors
         scores = ctx.scores
         dq, dk, dv, dsinks = _run_backward(grad_out, q, k, v, out, lse, ctx.params, scores.alibi_slopes, sinks,

@@ -244,13 +244,14 @@ class HopperBackward:
         batch, seqlen_q = self.batch, self.seqlen_q
         rows = batch * p.q_heads * self.padded_q
         head_dim = p.head_dim
-        # One allocation: the LSE (log2), delta and the dQ buffer; rows is a multiple of 128, so
-        # every part starts 16-byte aligned for TMA.
-        scratch = torch.empty(rows * (2 + head_dim), device=q.device, dtype=torch.float32)
-        lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:]
+        # One allocation: the LSE (log2), delta, the dQ buffer and the tile counter, which the rows
+        # pass zeroes; rows is a multiple of 128, so every part starts 16-byte aligned for TMA.
+        scratch = torch.empty(rows * (2 + head_dim) + 4, device=q.device, dtype=torch.float32)
+        lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:-4]
+        counter = scratch[-4:].view(torch.int32)
         launches = self.row_launches
-        launches.rows(self.rows_grid, q.device, out, dout, lse, delta, lse2, dq_accum, *out.stride(), *dout.stride(),
-                      *lse.stride()[:2], p.q_heads, seqlen_q, self.padded_q)
+        launches.rows(self.rows_grid, q.device, out, dout, lse, delta, lse2, dq_accum, counter, *out.stride(),
+                      *dout.stride(), *lse.stride()[:2], p.q_heads, seqlen_q, self.padded_q)
         if scores is not None and scores.sinks is not None:  # needs only the LSE and delta
             launches.sinks_grad((p.q_heads,), q.device, lse2, delta, scores.sinks, scores.sinks_grad,
                                 p.q_heads * self.padded_q, self.padded_q, scores.sinks.stride(0), batch, seqlen_q)
@@ -259,8 +260,6 @@ class HopperBackward:
         accum = dq_accum.view(batch, p.q_heads, self.padded_q, head_dim)
         descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, dk, dv, accum))
         row_stats = (_HostDescriptor(lse2, [rows], [1]), _HostDescriptor(delta, [rows], [1]))
-        # A counter per call: launches on other streams cannot share it.
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device) if self.schedule.dynamic else lse2
         mask = None if scores is None else scores.attn_mask
         mask, mask_strides = (lse2, (0, 0, 0, 0)) if mask is None else (mask, mask.stride())  # (B, Hq, Sq, Sk)
         run_compiled(self.compiled, self.grid, self.device,

@@ -1,8 +1,8 @@
 """Per-row work around a backward that sums dQ with atomic adds (the Hopper backward).
 
 * :func:`backward_rows_kernel`: delta = rowsum(O ⊙ dO) and the LSE in log2 units, padded to
-  whole query blocks (padded rows and rows that saw no key get LSE +inf, so their P is 0), and
-  the fp32 dQ buffer zeroed, in one pass;
+  whole query blocks (padded rows and rows that saw no key get LSE +inf, so their P is 0), the
+  fp32 dQ buffer and the backward's tile counter zeroed, in one pass;
 * :func:`finish_dq_kernel`: dQ = scale · buffer, in q's dtype and strides.
 
 Both walk the (batch, head) pairs from the last, against the order of the kernels around them:
@@ -19,13 +19,16 @@ LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def backward_rows_kernel(
-    Out, DOut, Lse, Delta, Lse2, DQAccum,
+    Out, DOut, Lse, Delta, Lse2, DQAccum, TileCounter,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh,
     num_q_heads, seqlen_q, padded_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
+    """Also zeroes the int32 at TileCounter, the backward's tile counter (no fill kernel of its own)."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(TileCounter, 0)
     m_block = tl.program_id(0)
     batch_head = tl.num_programs(1) - 1 - tl.program_id(1)  # the last (batch, head) first
     batch = batch_head // num_q_heads
