@@ -100,6 +100,40 @@ def run_compiled(compiled, grid: int | tuple[int, int, int], device: torch.devic
     compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, metadata, enter_hook, exit_hook, *args)
 
 
+class StreamCounters:
+    """Zeroed int32 counters that a kernel leaves zeroed again when it ends (arrival counts, tile
+    counters), so that a call needs no fill kernel: one buffer per stream, since launches on one
+    stream run one after another while launches on two streams could share a buffer at once.
+
+    A call made while a CUDA graph is being captured gets a buffer of its own, zeroed inside the
+    graph (memory allocated during a capture belongs to the graph, and a replay on another stream
+    must not share a stream's buffer with its eager calls). With ``graph_buffer``, captures take
+    one buffer made now instead, and the graph needs no fill: graphs of one launcher replayed at
+    the same time on two streams would then mix their counts.
+    """
+
+    __slots__ = ("size", "buffers", "graph_buffer")
+
+    def __init__(self, size: int, device: torch.device, graph_buffer: bool = False):
+        self.size, self.buffers, self.graph_buffer = size, {}, None
+        if graph_buffer and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            self.graph_buffer = torch.zeros(size, dtype=torch.int32, device=device)
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":  # the interpreter: one stream
+            stream = None
+        else:
+            if torch.cuda.is_current_stream_capturing():
+                if self.graph_buffer is not None:
+                    return self.graph_buffer
+                return torch.zeros(self.size, dtype=torch.int32, device=device)
+            stream = torch._C._cuda_getCurrentRawStream(device.index)
+        buffer = self.buffers.get(stream)
+        if buffer is None:
+            buffer = self.buffers[stream] = torch.zeros(self.size, dtype=torch.int32, device=device)
+        return buffer
+
+
 class CachedLaunch:
     """A ``triton.jit`` kernel with fixed constexprs and launch options, launched through its
     compiled handle once the JIT has built it for a specialisation: the JIT binds and specialises

@@ -58,7 +58,7 @@ from ...compat import cta_barrier, reinterpret_shared, tma_load, tma_store
 from . import slot_barriers
 from .chain import wait_for_previous_kernel
 from .schedule import register_budget as schedule_registers
-from .tile_queue import allocate_tile_slots, draw_tile, hand_out_tile, take_tile
+from .tile_queue import allocate_tile_slots, draw_tile, hand_out_tile, reset_counter, take_tile
 from .masking import key_blocks, sequence_span, visible, visible_block
 from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, BOUNDED_MAX_OFFSET, NO_MASK, SOFTCAP_BOUNDED, alibi_form,
                      draw_layout, dropout_draws, dropout_key, dropped, expand_mask, load_mask, mask_rows, masked_scores,
@@ -441,6 +441,7 @@ def _load_partition(
                                                          STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC,
                                                          words)
             handed += 1
+        reset_counter(counter, tile, num_tiles)
         if VARLEN:
             hand_out_tile(tile_slots, handed, num_tiles, (0, 0, 0, 0, 0, 0))
         else:
@@ -939,7 +940,7 @@ def attention_forward_hopper_kernel(
     MASK_KEYS: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; with DYNAMIC they take them
-    from the int32 counter at TileCounter (zero at launch) instead, one at a time, longest first; descriptors are (B, H, S, D)
+    from the int32 counter at TileCounter (zero at launch, and zero again at the end) instead, one at a time, longest first; descriptors are (B, H, S, D)
     with blocks of 64 query rows (Q, O) and BLOCK_N keys (K, V). CONSUMERS is 1, 2 or 3, Q_BUFFERS 1 or 2;
     CTAS_PER_SM sets the registers each partition gets (:func:`register_budget`).
 

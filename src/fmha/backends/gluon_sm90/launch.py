@@ -13,7 +13,7 @@ from triton.experimental.gluon import language as gl
 
 from ...compat import COMPILE_OPTIONS, GluonASTSource, load_compiled, triton_version_problem
 from ...params import AttentionParams
-from ...runtime import HostDescriptor, KernelBuildError, multiprocessors, run_compiled
+from ...runtime import HostDescriptor, KernelBuildError, StreamCounters, multiprocessors, run_compiled
 from ..triton.launch import TileList, descriptor_strides, dropout_scale, dropout_threshold, window_bounds
 from ..triton.forward import LOG2_E
 from .forward import WIDE_LEFT, attention_forward_hopper_kernel
@@ -266,7 +266,7 @@ class HopperForward:
     """
 
     __slots__ = ("schedule", "compiled", "grid", "integers", "scalars", "device", "tile_list", "varlen", "build",
-                 "mask_builds")
+                 "mask_builds", "tile_counters")
 
     def __init__(self, params: AttentionParams, schedule: HopperSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
@@ -280,6 +280,7 @@ class HopperForward:
         compiled, constants = built
         self.compiled = compiled
         self.mask_builds = {features.mask_keys: compiled}  # by MASK_KEYS
+        self.tile_counters = StreamCounters(1, params.device)  # dense calls with DYNAMIC
         if params.varlen:
             self.tile_list = TileList(params.batch, params.total_q, schedule.block_m, from_end=False, device=params.device)
             num_tiles = self.tile_list.entries * params.q_heads
@@ -314,8 +315,8 @@ class HopperForward:
             counter = lse
         elif self.varlen:  # zeroed with the list
             counter = self.tile_list.counter(tiles)
-        else:  # a counter per call: launches on other streams cannot share it
-            counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        else:  # zero again when a launch ends: one per stream
+            counter = self.tile_counters.get(q.device)
         compiled = self.compiled
         mask = None if scores is None else scores.attn_mask
         if mask is None:

@@ -5,7 +5,8 @@ each tile's start hides under the previous one's end.
 A CTA's load warp draws each tile (one relaxed atomic add) and hands it to the consumer warpgroups
 through a ring of TILE_SLOTS shared slots, each with a "ready" mbarrier (one arrival, the load warp's)
 and a "free" one (one arrival per consumer); drawing num_tiles or more means there are none left,
-and that is handed out too, so every partition leaves its loop. A slot holds the tile and, where
+and that is handed out too, so every partition leaves its loop; the launch's last draw zeroes the
+counter again (:func:`reset_counter`). A slot holds the tile and, where
 the kernel asks for them, more int32 words that the load warp read for it (a packed tile's
 sequence), so that the consumers do not wait for those loads at their tile's start.
 """
@@ -38,6 +39,15 @@ def draw_tile(counter):
     consumers get it through shared memory and an mbarrier), so no fence waits for the memory
     operations in flight."""
     return gl.atomic_add(counter, 1, sem="relaxed")
+
+
+@gluon.jit
+def reset_counter(counter, last_draw, num_tiles):
+    """Zero the launch's counter again once every CTA has drawn past the last tile: each CTA's
+    load warp draws until it gets num_tiles or more, so the draw that returns num_tiles +
+    num_programs - 1 is the launch's last. A counter kept between launches then needs no fill."""
+    if last_draw == num_tiles + gl.num_programs(0) - 1:
+        gl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @gluon.jit

@@ -14,7 +14,7 @@ import triton
 
 from ...compat import COMPILE_OPTIONS, TensorDescriptor
 from ...kvcache_params import KVCacheParams
-from ...runtime import INTERPRETED, HostDescriptor, interpreter_upcasts, run_compiled
+from ...runtime import INTERPRETED, HostDescriptor, StreamCounters, interpreter_upcasts, run_compiled
 from .config import KVCacheConfig, padded_head_dim
 from .forward import LOG2_E
 from .kvcache import kvcache_attention_kernel
@@ -121,9 +121,10 @@ class KVCacheForward:
                  MERGE_CHUNKS=merge_group(merge_rows, block_d, config.num_warps, self.splits), TMA=False),
             config.num_warps, config.num_stages)
         # Split: one arrival counter per (batch and KV head, packed block), zeros between launches
-        # (the last chunk to arrive resets its own); made by the first call. Shared by the calls of
-        # this signature: two of them running at once on different streams would mix their counts.
-        self.arrivals = None
+        # (the last chunk to arrive resets its own): one buffer per stream, and one for CUDA graphs,
+        # whose small decodes would otherwise pay a fill kernel on every replay (1 us at B1).
+        self.arrivals = None if self.splits == 1 else StreamCounters(
+            self.attend_launch.grid[0] * self.attend_launch.grid[2], p.device, graph_buffer=True)
         # With bulk copies: the (shape, strides) of the K and V caches' descriptors, set by the first call.
         self.cache_views = None
 
@@ -195,13 +196,10 @@ class KVCacheForward:
                                cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin, alibi_slopes,
                                sinks, cu_seqlens_q, cache_seqlen)
             return
-        if self.arrivals is None:
-            self.arrivals = torch.zeros(self.attend_launch.grid[0] * self.attend_launch.grid[2], device=q.device,
-                                        dtype=torch.int32)
         partial_out = torch.empty(self.partial_out_shape, device=q.device, dtype=torch.float32)
         partial_lse = torch.empty(self.partial_lse_shape, device=q.device, dtype=torch.float32)
         # One launch: the last chunk of each tile merges the chunks (fmha.backends.triton.kvcache).
         self.attend_launch(q.device, q, k_cache, v_cache, k_descriptor, v_descriptor, k, v, out, lse, partial_out,
-                           partial_lse, self.arrivals,
+                           partial_lse, self.arrivals.get(q.device),
                            cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
                            alibi_slopes, sinks, cu_seqlens_q, cache_seqlen)
