@@ -429,14 +429,12 @@ def _load_partition(
         handed = 0
         tile = draw_tile(counter)
         while tile < num_tiles:
+            words = ()
             if VARLEN:  # the consumers get the tile's sequence with it: no loads at their tile's start
                 num_q_heads, seqlen_q, seqlen_k, sequences = args[12], args[14], args[15], args[18]
                 words = _sequence_words(tile, sequences, num_tiles, num_q_heads, seqlen_q, seqlen_k,
                                         CONSUMERS * args[0].block_type.shape[2])
-                hand_out_tile(tile_slots, handed, tile, words)
-            else:
-                words = ()
-                hand_out_tile(tile_slots, handed, tile, words)
+            hand_out_tile(tile_slots, handed, tile, words)
             ring_position, tile_count, tile = _load_tile(tile, ring_position, tile_count, args, counter, BLOCK_N,
                                                          STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC,
                                                          words)

@@ -280,7 +280,8 @@ class HopperForward:
         compiled, constants = built
         self.compiled = compiled
         self.mask_builds = {features.mask_keys: compiled}  # by MASK_KEYS
-        self.tile_counters = StreamCounters(1, params.device)  # dense calls with DYNAMIC
+        # dense calls with DYNAMIC (packed ones take the counter zeroed with their tile list)
+        self.tile_counters = StreamCounters(1, params.device) if schedule.dynamic and not params.varlen else None
         if params.varlen:
             self.tile_list = TileList(params.batch, params.total_q, schedule.block_m, from_end=False, device=params.device)
             num_tiles = self.tile_list.entries * params.q_heads
