@@ -65,7 +65,10 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("varlen 8x2048", None, 16, None, 128, True, {"lengths": EQUAL_SEQUENCES}),
          ("varlen 16x1024", None, 16, None, 128, True, {"lengths": (1024,) * 16}),
          ("varlen one long", None, 16, None, 128, True, {"lengths": one_long_many_short()}),
-         ("plain D128 causal S2k", 8, 16, 2048, 128, True, {})]
+         ("plain D128 causal S2k", 8, 16, 2048, 128, True, {}),
+         ("plain D64 causal S2k", 8, 32, 2048, 64, True, {}),
+         ("plain D64 causal S8k", 2, 32, 8192, 64, True, {}),
+         ("plain D64 S8k", 2, 32, 8192, 64, False, {})]
 
 
 def feature_arguments(heads, kwargs):

@@ -105,6 +105,16 @@ HOPPER_SCHEDULES = {  # HopperSchedule fields; names without spaces (test ids pa
     "persistent_turns": {"persistent": True, "pingpong": 1},
     "dynamic_two_q_buffers_exp2_1_in_8_turns": {"persistent": True, "dynamic": True, "q_buffers": 2, "emulated_exp2": 8,
                                                 "pingpong": 1},
+    "three_consumers_row_sum_mma": {"consumers": 3, "q_buffers": 2, "row_sum_mma": True},
+    "dynamic_three_consumers_row_sum_mma": {"consumers": 3, "q_buffers": 2, "dynamic": True, "row_sum_mma": True},
+    "persistent_two_q_buffers_packed_p_row_sum_mma": {"persistent": True, "q_buffers": 2, "pack_p": True,
+                                                      "row_sum_mma": True},
+    "persistent_two_q_buffers_exp2_1_in_8_turns_row_sum_mma": {"persistent": True, "q_buffers": 2, "emulated_exp2": 8,
+                                                               "pingpong": 1, "row_sum_mma": True},
+    "dynamic_two_q_buffers_packed_p_row_sum_mma": {"persistent": True, "dynamic": True, "q_buffers": 2, "pack_p": True,
+                                                   "row_sum_mma": True},
+    "one_consumer_three_ctas_per_sm_64_keys_row_sum_mma": {"consumers": 1, "block_n": 64, "q_buffers": 2,
+                                                           "ctas_per_sm": 3, "row_sum_mma": True},
 }
 
 
@@ -139,6 +149,10 @@ def test_hopper_kernel_schedules(dtype, head_dim, causal, schedule):
     ((8, 4, 4, 1100, 1700), True, "one_consumer_three_ctas_per_sm_64_keys"),  # bottom-right causal: Sk > Sq
     ((1, 16, 16, 1024, 1024), False, "one_consumer_two_ctas_per_sm"),
     ((1, 3, 1, 3000, 2000), False, "one_consumer_two_ctas_per_sm"),
+    ((4, 8, 8, 2048, 2048), False, "three_consumers_row_sum_mma"),
+    ((2, 6, 2, 3000, 5000), False, "three_consumers_row_sum_mma"),
+    ((1, 8, 8, 8192, 8192), True, "dynamic_three_consumers_row_sum_mma"),
+    ((1, 6, 3, 9000, 9500), True, "dynamic_three_consumers_row_sum_mma"),  # bottom-right causal: Sk > Sq
 ], ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else str(value))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_default_path_schedules(dtype, shape, causal, plan):
@@ -158,7 +172,8 @@ def test_default_path_schedules(dtype, shape, causal, plan):
                          ids=lambda shape: "x".join(map(str, shape)))  # ids pass through a shell: no spaces
 @pytest.mark.parametrize("schedule", ["persistent_two_q_buffers", "one_consumer_three_ctas_per_sm_64_keys", "dynamic",
                                       "dynamic_one_consumer_three_ctas_per_sm_64_keys", "persistent_turns",
-                                      "dynamic_two_q_buffers_exp2_1_in_8_turns"])
+                                      "dynamic_two_q_buffers_exp2_1_in_8_turns",
+                                      "persistent_two_q_buffers_exp2_1_in_8_turns_row_sum_mma"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_causal_pairs_cover_every_tile(head_dim, shape, schedule):
     """Persistent causal programs walk pairs of tiles: odd tile counts (the last pair is one tile),

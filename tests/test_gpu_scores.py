@@ -98,6 +98,22 @@ def test_hopper_packed_p_schedules_with_causal_alibi_gpu(name, head_dim, seqlen_
     check_features(q, k, v, name, True, config=fmha.HopperSchedule(**PACKED_P_SCHEDULES[head_dim]))
 
 
+# HopperSchedule.row_sum_mma: the row sums from the tensor cores, on the shipped D = 64 fields and with P packed at 128.
+ROW_SUM_MMA_SCHEDULES = {64: dict(q_buffers=2, emulated_exp2=8, row_sum_mma=True),
+                         128: dict(q_buffers=2, pack_p=True, row_sum_mma=True)}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", HOPPER_FEATURES)
+def test_hopper_row_sums_on_the_tensor_cores_with_score_features_gpu(name, head_dim, causal):
+    """Softcap (its fixed max too), ALiBi and sinks with the row sums of P·ones: the sinks join the
+    sum at the tile's end, the fixed max never rescales it."""
+    skip_off_hopper()
+    q, k, v = inputs(1500, 500, head_dim, hash((name, head_dim, causal, "row sums")) % 2**31, grad=True)
+    check_features(q, k, v, name, causal, config=fmha.HopperSchedule(**ROW_SUM_MMA_SCHEDULES[head_dim]))
+
+
 @pytest.mark.parametrize("name", ["all", "softcap_sinks"])  # softcap_sinks: the forward's fixed max
 @pytest.mark.parametrize("window", [(255, 0), (100, 100)], ids=lambda window: f"left{window[0]}-right{window[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])

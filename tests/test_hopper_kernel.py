@@ -53,7 +53,7 @@ for variant in json.loads(sys.argv[1]):
     schedule = HopperSchedule(block_n=block_n, stages=stages, consumers=consumers, emulated_exp2=emulated_exp2,
                               q_buffers=q_buffers, ctas_per_sm=ctas_per_sm, dynamic="dynamic" in extra,
                               pingpong=PINGPONG_ON if "pingpong" in extra else PINGPONG_LONG_SOFTMAX,
-                              pack_p="pack_p" in extra)
+                              pack_p="pack_p" in extra, row_sum_mma="row_sum_mma" in extra)
     # The very source, signature and options the launcher compiles on a GPU.
     alibi = 2 if "alibi_causal" in extra else int("alibi" in extra)
     mask = next((name[len("mask_"):] for name in extra if name.startswith("mask_") and name != "mask_strided"), "")
@@ -71,7 +71,7 @@ for variant in json.loads(sys.argv[1]):
     sass = sass_of(compiled.asm["cubin"])
     report[",".join(map(str, variant))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2", "MUFU.TANH",
-                                                 "FMNMX", "STL", "ISETP", "HSET2", "PRMT")},
+                                                 "FMNMX", "FADD", "STL", "ISETP", "HSET2", "PRMT")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
         # shared-memory stores and loads (STS, LDS; not STSM, LDSM)
         "sts": len(re.findall(r"\bSTS\b", sass)), "lds": len(re.findall(r"\bLDS\b", sass)),
@@ -126,7 +126,10 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (64, True, 2, 128, 3, 8, 1, 1, "softcap_bounded", "varlen", "left"),
             (128, False, 2, 64, 3, 0, 2, 1, "mask_bool"), (64, False, 2, 128, 2, 8, 2, 1, "mask_bool"),
             (64, False, 1, 128, 2, 8, 2, 2, "mask_float32", "mask_strided"),
-            (128, False, 2, 64, 3, 0, 2, 1, "mask_bfloat16")]
+            (128, False, 2, 64, 3, 0, 2, 1, "mask_bfloat16"),
+            (64, False, 3, 128, 2, 0, 2, 1), (64, False, 3, 128, 2, 0, 2, 1, "row_sum_mma"),
+            (64, True, 3, 128, 2, 0, 2, 1, "dynamic", "row_sum_mma"),
+            (64, True, 2, 128, 2, 8, 2, 1, "dropout", "row_sum_mma")]
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +241,8 @@ def test_emulated_exponentials_leave_the_mufu_unit(hopper_builds):
     assert emulated < plain
 
 
-@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if "dropout" in variant], ids=str)
+@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if "dropout" in variant and "row_sum_mma" not in variant],
+                         ids=str)
 def test_dropout_draws_in_registers(hopper_builds, variant):
     """Each thread draws the bits of its own accumulator columns: no tile passes through shared
     memory. The partitions' captured arguments (the seed's pointer, the threshold and the scale,
@@ -262,6 +266,21 @@ def test_three_consumers_of_128_keys_fit_their_registers(hopper_builds, causal):
     build = hopper_builds[f"64,{causal},3,128,2,8,2,1"]
     assert "error" not in build and build["maxnreg"] <= 168
     assert build["unmasked_loop_spills"] == 0
+
+
+def test_row_sums_on_the_tensor_cores(hopper_builds):
+    """``HopperSchedule.row_sum_mma`` (the shipped long D = 64 schedules): each block issues P·ones
+    beside P·V (8 more wgmma of N = 8 per block) in place of the FADDs that summed the block's P,
+    with no spill in the unmasked key loop (the masked loops, at the diagonal and the end of K, hold a
+    few); dropout builds keep the FADDs (their sum counts dropped scores)."""
+    plain = hopper_builds["64,False,3,128,2,0,2,1"]["counts"]
+    summed = hopper_builds["64,False,3,128,2,0,2,1,row_sum_mma"]
+    assert summed["counts"]["HGMMA"] > plain["HGMMA"]
+    assert summed["counts"]["FADD"] < plain["FADD"] - 100  # about 66 a block, in each of the key loops
+    for build in (summed, hopper_builds["64,True,3,128,2,0,2,1,dynamic,row_sum_mma"]):
+        assert build["unmasked_loop_spills"] == 0
+    dropout = hopper_builds["64,True,2,128,2,8,2,1,dropout"]["counts"]
+    assert hopper_builds["64,True,2,128,2,8,2,1,dropout,row_sum_mma"]["counts"] == dropout
 
 
 @pytest.mark.parametrize("variant", [(128, True, 2, 128, 2, 0, 2, 1), (128, True, 2, 128, 2, 0, 2, 1, "wide", "dynamic")],
@@ -370,7 +389,7 @@ def test_shipped_rules_follow_the_measurements():
     assert plan(1024, 128, causal=True) == HopperSchedule(persistent=True, q_buffers=2)
     assert plan(16384, 128, causal=True) == HopperSchedule(persistent=False)
     assert plan(1024, 64, causal=False) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
-    three_consumers = HopperSchedule(persistent=True, consumers=3, q_buffers=2, emulated_exp2=8)
+    three_consumers = HopperSchedule(persistent=True, consumers=3, q_buffers=2, row_sum_mma=True)
     assert plan(2048, 64, causal=False) == three_consumers
     assert plan(16384, 64, causal=False) == three_consumers
     short_causal = HopperSchedule(persistent=True, consumers=1, block_n=64, q_buffers=2, ctas_per_sm=3)
@@ -380,7 +399,13 @@ def test_shipped_rules_follow_the_measurements():
                                                          pingpong=PINGPONG_ON)
     assert plan(4096, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8,
                                                          pingpong=PINGPONG_ON)
-    assert plan(16384, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, dynamic=True, emulated_exp2=8)
+    assert plan(8192, 64, causal=True) == HopperSchedule(persistent=True, consumers=3, q_buffers=2, dynamic=True,
+                                                         row_sum_mma=True)
+    # long causal calls with score features keep two consumers (three would hold P in float32)
+    q = torch.empty(1, dtype=torch.bfloat16).expand(1, 32, 16384, 64)
+    assert schedules.shipped_schedule(attention_params("test", q, q, q, causal=True, sinks=torch.zeros(32)), "sm_90",
+                                      132)[0] == HopperSchedule(persistent=True, q_buffers=2, dynamic=True,
+                                                                emulated_exp2=8)
     # 128 or 256 tiles of 128 rows: fewer than two per multiprocessor
     small_grid = HopperSchedule(persistent=True, consumers=1, q_buffers=2, ctas_per_sm=2, emulated_exp2=8)
     assert plan(1024, 64, causal=False, batch=1) == small_grid

@@ -42,7 +42,8 @@ HOPPER_CANDIDATES = (
     HopperSchedule(persistent=False, emulated_exp2=8),
     HopperSchedule(persistent=True, consumers=1, q_buffers=2, ctas_per_sm=2, emulated_exp2=8),
     HopperSchedule(persistent=True, consumers=1, block_n=64, q_buffers=2, ctas_per_sm=3),
-    HopperSchedule(persistent=True, consumers=3, q_buffers=2, emulated_exp2=8),
+    HopperSchedule(persistent=True, consumers=3, q_buffers=2, row_sum_mma=True),
+    HopperSchedule(persistent=True, consumers=3, q_buffers=2, dynamic=True, row_sum_mma=True),
     HopperSchedule(persistent=True, q_buffers=2, dynamic=True, pack_p=True),
 )
 

@@ -25,6 +25,12 @@ which Triton's automatic pipeliner does not reach on this chip:
   with one consumer each, one CTA's tile start and end hide behind the others' work, which pays
   on short tiles (short causal sequences) and on grids too small to fill the GPU.
 
+ROW_SUM_MMA takes each block's row sums from the tensor cores: P times a [BLOCK_N, 8] tile of ones,
+issued behind P·V, replaces the sum over the block's probabilities (about 70 of a consumer
+thread's 480 instructions per block at head dim 64). The sums are then those of P as P·V takes
+it, rounded to 16 bits. It pays where the issue slots bind (three consumers at D = 64) and costs
+where the tensor cores do.
+
 EMULATED_EXP2 = k computes one exponential in every k on the FMA units (a cubic polynomial,
 relative error 1e-4, far below the 16-bit rounding of P) instead of the MUFU unit, whose 16
 results per clock per multiprocessor otherwise pace the softmax at head dim 64.
@@ -462,6 +468,7 @@ def _softmax_block(
     rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
+    ROW_SUM_MMA: gl.constexpr = False,
 ):
     """Probabilities of the key block starting at key_start (its keys are key_start + keys0), the
     accumulator's rescale factor, the new max and sum. ``mods``: the score features' values
@@ -510,14 +517,16 @@ def _softmax_block(
         probs = _exp2(scores * qk_scale - row_max[:, None], EMULATED_EXP2)
         rescale = gl.full_like(row_max, 1.0)  # unread
         new_max = row_max
-        row_sum = row_sum + gl.sum(probs, 1)
+        if not ROW_SUM_MMA:
+            row_sum = row_sum + gl.sum(probs, 1)
     else:
         new_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale + row_shift)
         # A row that has seen no key keeps max = -inf; subtracting 0 gives exp2(-inf) = 0, not NaN.
         new_max_safe = gl.where(new_max == float("-inf"), 0.0, new_max)
         probs = _exp2(scores * qk_scale - (new_max_safe - row_shift)[:, None], EMULATED_EXP2)
         rescale = gl.exp2(row_max - new_max_safe)
-        row_sum = row_sum * rescale + gl.sum(probs, 1)
+        if not ROW_SUM_MMA:  # else the tensor cores sum P (_summed_rows) and the caller rescales
+            row_sum = row_sum * rescale + gl.sum(probs, 1)
     return probs, rescale, new_max, row_sum
 
 
@@ -572,22 +581,22 @@ def _tile_dropout(first_row, rng_row, rng_key, threshold, ROWS: gl.constexpr, BL
 
 
 @gluon.jit
-def _softmax_first_block(scores, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, masked,
+def _softmax_first_block(scores, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, masked,
                          HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
-                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr):
+                         SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
+                         ROW_SUM_MMA: gl.constexpr):
     """The first block of a tile: nothing to rescale yet. A masked one checks both sides of a window:
     a third build of this step for a window's left edge alone (one compare less per score) made the
     kernel larger and no faster (docs/perf.md, session 17)."""
     row_max = _initial_max(mods, scores.shape[0], gl.SliceLayout(1, scores.type.layout), SOFTCAP)
-    row_sum = gl.zeros([scores.shape[0]], gl.float32, layout=gl.SliceLayout(1, scores.type.layout))
     if masked:
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, True,
-            HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
+            HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS, ROW_SUM_MMA)
     else:
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile, False,
-            HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
+            HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS, ROW_SUM_MMA)
     return probs, row_max, row_sum
 
 
@@ -600,6 +609,37 @@ def _initial_max(mods, ROWS: gl.constexpr, layout: gl.constexpr, SOFTCAP: gl.con
     else:
         row_max = gl.full([ROWS], float("-inf"), gl.float32, layout=layout)
     return row_max
+
+
+ONES_COLUMNS = gl.constexpr(8)  # the narrowest wgmma: N = 8
+
+
+@gluon.jit
+def _no_row_sum(ROWS: gl.constexpr, rows_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+    """A tile's row sums before any key: [ROWS], or with ROW_SUM_MMA the [ROWS, ONES_COLUMNS]
+    accumulator of P·ones (every column the row's sum)."""
+    if ROW_SUM_MMA:
+        row_sum = gl.zeros([ROWS, ONES_COLUMNS], gl.float32, layout=accumulator_layout(ONES_COLUMNS))
+    else:
+        row_sum = gl.zeros([ROWS], gl.float32, layout=rows_layout)
+    return row_sum
+
+
+@gluon.jit
+def _summed_rows(p, ones, row_sum, ROW_SUM_MMA: gl.constexpr):
+    """With ROW_SUM_MMA, issues row_sum += P·ones (async): the tensor cores sum the block's P as P·V
+    takes it, in place of a sum on the FMA units."""
+    if ROW_SUM_MMA:
+        row_sum = warpgroup_mma(gl.convert_layout(p, operand_layout(ONES_COLUMNS)), ones, row_sum, is_async=True)
+    return row_sum
+
+
+@gluon.jit
+def _row_sums(row_sum, rows_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+    """The tile's row sums as [ROWS] in ``rows_layout``."""
+    if ROW_SUM_MMA:
+        row_sum = gl.convert_layout(gl.max(row_sum, 1), rows_layout)
+    return row_sum
 
 
 @gluon.constexpr_function
@@ -650,11 +690,11 @@ def _unpacked_probs(words, dtype: gl.constexpr):
 @gluon.jit
 def _pipelined_blocks(
     acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
-    rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods, score_args,
+    rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods, score_args, ones,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, TURN: gl.constexpr,
-    MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr,
+    MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
 ):
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
     sits at ring position ring_base + b. ``probs``: those of the block before; ``draws``: its
@@ -680,19 +720,22 @@ def _pipelined_blocks(
         if TURN < 0:
             p = _p_operand(probs, draws, mods[3], v_smem.dtype, p_layout, DROPOUT)  # [ROWS, BLOCK_N]
         acc = warpgroup_mma(p, v, acc, is_async=True)
+        row_sum = _summed_rows(p, ones, row_sum, ROW_SUM_MMA)
         _pass_turn(TURN)
-        # wgmma groups retire in order: this waits for the scores, not for P·V.
-        scores = warpgroup_mma_wait(1, deps=(scores,))
+        # wgmma groups retire in order: this waits for the scores, not for P·V (nor the row sums).
+        scores = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=(scores,))
         slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods, mask_tile,
-            MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS)
+            MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS, ROW_SUM_MMA)
         if DROPOUT:  # the row sum counts every probability, P·V only the kept ones
             draws = dropout_draws(block * BLOCK_N, mods[3], BLOCK_N)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc, row_sum = warpgroup_mma_wait(0, deps=(acc, row_sum))
         slot_barriers.signal(_v_slot_barrier(prev_slot, STAGES), _slot_threads(CONSUMERS))
         if SOFTCAP != SOFTCAP_BOUNDED:
             acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
+            if ROW_SUM_MMA:
+                row_sum = row_sum * gl.convert_layout(rescale, gl.SliceLayout(1, row_sum.type.layout))[:, None]
         if PACKED_P:
             probs = _packed_probs(probs, v_smem.dtype)
     return acc, probs, draws, row_max, row_sum
@@ -733,19 +776,20 @@ def _consumer_tile(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr,
-    words,
+    ROW_SUM_MMA: gl.constexpr, words,
 ):
     """One tile of a consumer: its 64 rows' output and LSE. ``step``: the program's step, or with
     DYNAMIC the tile itself (and a packed tile's :func:`_sequence_words` from the load warp);
     returns the ring position and tile count after it."""
     if VARLEN:  # also the sequences, and the output's pointer and strides
         (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
-         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args,
+         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args, ones,
          packed) = shared
         sequences, Out, stride_lh, stride_om, stride_oh = packed
     else:
         (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
-         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args) = shared
+         num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args,
+         ones) = shared
         sequences = None
     rng_key = tile_args
     dtype: gl.constexpr = o_desc.dtype
@@ -774,7 +818,7 @@ def _consumer_tile(
         if ALIBI == ALIBI_CAUSAL_MMA:
             mods = mods + (_alibi_key_terms(o_smem.index(CONSUMER), mods[1], qk_scale, BLOCK_N),)
         row_max = _initial_max(mods, ROWS, s_rows, SOFTCAP)
-        row_sum = gl.zeros([ROWS], gl.float32, layout=s_rows)
+        row_sum = _no_row_sum(ROWS, s_rows, ROW_SUM_MMA)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
         q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
         mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
@@ -791,9 +835,9 @@ def _consumer_tile(
             scores = warpgroup_mma_wait(0, deps=(scores,))
             slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
             probs, row_max, row_sum = _softmax_first_block(
-                scores, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods, mask_tile,
+                scores, row_sum, rows, keys0, start * BLOCK_N, seq_k, seq_lo, seq_hi, qk_scale, mods, mask_tile,
                 (start < full_start) | (start >= full_end), HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
-                SOFTCAP, ALIBI, MASK, MASK_KEYS)
+                SOFTCAP, ALIBI, MASK, MASK_KEYS, ROW_SUM_MMA)
             draws = 0
             if DROPOUT:
                 draws = dropout_draws(start * BLOCK_N, mods[3], BLOCK_N)
@@ -807,21 +851,21 @@ def _consumer_tile(
                 acc, probs, draws, row_max, row_sum = _pipelined_blocks(
                     acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                     rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
-                    mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
-                    SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P)
+                    mods, score_args, ones, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT,
+                    EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA)
             acc, probs, draws, row_max, row_sum = _pipelined_blocks(
                 acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
-                mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2,
-                SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P)
+                mods, score_args, ones, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT,
+                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA)
             # With WIDE_LEFT the blocks at the right end lie right of every row's left bound: one
             # compare per score instead of two.
             RIGHT_END_LEFT: gl.constexpr = HAS_LEFT and not (HAS_LEFT == WIDE_LEFT and HAS_RIGHT)
             acc, probs, draws, row_max, row_sum = _pipelined_blocks(
                 acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
-                mods, score_args, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, RIGHT_END_LEFT, HAS_RIGHT,
-                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P)
+                mods, score_args, ones, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, RIGHT_END_LEFT, HAS_RIGHT,
+                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA)
             last = ring_position + end - start - 1
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
@@ -829,9 +873,11 @@ def _consumer_tile(
             p = _p_operand(probs, draws, mods[3], dtype, p_layout, DROPOUT)
             _take_turn(TURN)
             acc = warpgroup_mma(p, v, acc, is_async=True)
+            row_sum = _summed_rows(p, ones, row_sum, ROW_SUM_MMA)
             _pass_turn(TURN)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc, row_sum = warpgroup_mma_wait(0, deps=(acc, row_sum))
             slot_barriers.signal(_v_slot_barrier(last_slot, STAGES), _slot_threads(CONSUMERS))
+        row_sum = _row_sums(row_sum, s_rows, ROW_SUM_MMA)
         mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
 
         # Rows that saw no key: output 0 and LSE -inf, never 0/0.
@@ -882,7 +928,7 @@ def _consumer_partition(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
-    MASK_KEYS: gl.constexpr,
+    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
 ):
     num_tiles, seqlen_k, score_args = shared[10], shared[15], shared[19]
     TURN: gl.constexpr = CONSUMER if PINGPONG else -1
@@ -901,7 +947,7 @@ def _consumer_partition(
                 ring_position, tile_count = _consumer_tile(
                     tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
                     STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
-                    MASK, MASK_KEYS, PACK_P, words)
+                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, words)
                 handed += 1
                 tile, words = take_tile(tile_slots, handed)
         else:
@@ -910,7 +956,7 @@ def _consumer_partition(
                 ring_position, tile_count = _consumer_tile(
                     tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
                     STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
-                    MASK, MASK_KEYS, PACK_P, ())
+                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, ())
                 handed += 1
                 tile = take_tile(tile_slots, handed)
     else:
@@ -918,7 +964,7 @@ def _consumer_partition(
             ring_position, tile_count = _consumer_tile(
                 step, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
                 HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
-                MASK_KEYS, PACK_P, ())
+                MASK_KEYS, PACK_P, ROW_SUM_MMA, ())
     if TURN == 0:  # take consumer 1's last turn: no named barrier is left half-arrived
         _take_turn(TURN)
     tma.store_wait(0)
@@ -935,7 +981,7 @@ def attention_forward_hopper_kernel(
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
-    MASK_KEYS: gl.constexpr,
+    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; with DYNAMIC they take them
     from the int32 counter at TileCounter (zero at launch, and zero again at the end) instead, one at a time, longest first; descriptors are (B, H, S, D)
@@ -954,7 +1000,8 @@ def attention_forward_hopper_kernel(
     is scaled by ``dropout_scale``; the statistics and the LSE are those before dropout), MASK
     (SDPA's attn_mask of (batch, head) at ``Mask + batch · stride_mb + head · stride_mh``, strides
     in elements; BOOL_MASK: int8, 0 hides the key; FLOAT_MASK: added to the scores; MASK_KEYS: how
-    its keys lie, :data:`fmha.backends.gluon_sm90.scores.PAIRED_MASK_KEYS` and the others)."""
+    its keys lie, :data:`fmha.backends.gluon_sm90.scores.PAIRED_MASK_KEYS` and the others). ROW_SUM_MMA:
+    the row sums from the tensor cores (:func:`_summed_rows`; not with DROPOUT)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype)
@@ -972,6 +1019,14 @@ def attention_forward_hopper_kernel(
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
+    ones = 0
+    if ROW_SUM_MMA:  # P·ones gives the row sums: a [BLOCK_N, ONES_COLUMNS] operand, stored K-major
+        ones = gl.allocate_shared_memory(dtype, [ONES_COLUMNS, BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([ONES_COLUMNS, BLOCK_N], dtype))
+        ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        ones.store(gl.full([ONES_COLUMNS, BLOCK_N], 1.0, dtype, layout=ones_layout))
+        fence_async_shared()  # visible to the tensor cores' reads
+        ones = ones.permute((1, 0))
     tile_slots = (TileCounter,)  # not read without DYNAMIC
     if DYNAMIC:  # a packed tile's slot also holds its sequence (_sequence_words)
         tile_slots = allocate_tile_slots(TileCounter, CONSUMERS, 7 if VARLEN else 1)
@@ -981,7 +1036,7 @@ def attention_forward_hopper_kernel(
     score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, Sinks, stride_sh, RngState, dropout_threshold,
                   dropout_scale, Mask, (stride_mb, stride_mh, stride_mm, stride_mn))
     shared = (q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, o_desc, Lse,
-              num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args)
+              num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, score_args, ones)
     load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready,
                  num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_k, lo, hi)
     if VARLEN:  # the partitions also get the sequences (and the consumers the output's pointer and strides);
@@ -993,25 +1048,31 @@ def attention_forward_hopper_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
+                                    ROW_SUM_MMA)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
+                                    ROW_SUM_MMA)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
+                                    ROW_SUM_MMA)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
+                                    ROW_SUM_MMA)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
+                                    ROW_SUM_MMA)),
              (_consumer_partition, (shared, tile_slots, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
-                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS)),
+                                    SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
+                                    ROW_SUM_MMA)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))

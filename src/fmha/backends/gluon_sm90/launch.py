@@ -181,7 +181,8 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "DROPOUT": features.dropout, "DYNAMIC": schedule.dynamic,
                  "PINGPONG": takes_turns(schedule, features), "PACK_P": schedule.pack_p,
                  "MASK": features.mask_constexpr,
-                 "MASK_KEYS": features.mask_keys}
+                 "MASK_KEYS": features.mask_keys,
+                 "ROW_SUM_MMA": schedule.row_sum_mma and not features.dropout}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",

@@ -73,7 +73,9 @@ class HopperSchedule:
     two-sided ALiBi lengthens the softmax and the schedule allows it); ``pack_p``: a block's
     probabilities cross the key loop rounded to P·V's operand type, a word per key pair (half the
     registers of float32), as three consumers always do (not with dropout, which masks them where
-    P·V takes them).
+    P·V takes them); ``row_sum_mma``: each block's row sums come from the tensor cores, P times a
+    column of ones beside P·V, instead of a sum over the block's probabilities on the FMA units
+    (not with dropout, whose row sum counts the dropped probabilities that P·V does not see).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -88,6 +90,7 @@ class HopperSchedule:
     dynamic: bool = False
     pingpong: int = PINGPONG_LONG_SOFTMAX
     pack_p: bool = False
+    row_sum_mma: bool = False
 
     def __post_init__(self):
         checks = {"block_n": self.block_n in (64, 128), "stages": 1 <= self.stages <= 4,
@@ -135,7 +138,7 @@ class HopperSchedule:
     @classmethod
     def from_ints(cls, values) -> "HopperSchedule":
         names = [field.name for field in dataclasses.fields(cls)]
-        return cls(**{name: (bool(value) if name in ("persistent", "dynamic", "pack_p") else int(value))
+        return cls(**{name: (bool(value) if name in ("persistent", "dynamic", "pack_p", "row_sum_mma") else int(value))
                       for name, value in zip(names, values)})
 
     def to_record(self) -> dict:
