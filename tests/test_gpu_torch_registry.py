@@ -209,8 +209,12 @@ def test_compiled_sdpa_runs_fmha_as_eager_does_gpu(fmha_calls):
         compiled_grads = torch.autograd.grad(compiled, (q, k, v), dout)
     assert fmha_calls == {"forward": 1, "backward": 1}
     torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
-    for got, expected in zip(compiled_grads, eager_grads):
-        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    # dK and dV bitwise; dQ is summed by atomic adds whose order varies run to run (under load: other
+    # processes on the GPU), which only deterministic=True makes bitwise
+    (dq, dk, dv), (eager_dq, eager_dk, eager_dv) = compiled_grads, eager_grads
+    torch.testing.assert_close(dk, eager_dk, atol=0, rtol=0)
+    torch.testing.assert_close(dv, eager_dv, atol=0, rtol=0)
+    torch.testing.assert_close(dq, eager_dq, atol=1e-2, rtol=0)
 
 
 def test_dropout_runs_torchs_kernel_unless_strict_gpu(fmha_calls):

@@ -66,11 +66,8 @@ def _forward_fake(q, k, v, alibi_slopes, sinks, attn_mask, rng_state, *options):
 
 
 def _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state, seqlens=()):
-    """``(dq, dk, dv, dsinks)``; dsinks is empty without sinks (an op returns no None)."""
-    if sinks is None:
-        sinks_grad = torch.zeros(0, dtype=torch.float32, device=q.device)
-    else:
-        sinks_grad = torch.zeros_like(sinks, memory_format=torch.contiguous_format)
+    """``(dq, dk, dv, dsinks)``; dsinks is None without sinks."""
+    sinks_grad = None if sinks is None else torch.zeros_like(sinks, memory_format=torch.contiguous_format)
     scores = score_tensors(alibi_slopes, sinks, attn_mask, rng_state)
     if scores is NO_SCORE_TENSORS:
         grads = dispatch.run_backward(dout, q, k, v, out, lse, params, seqlens=seqlens)
@@ -82,7 +79,13 @@ def _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mas
 
 def _backward_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state, *options):
     params = AttentionParams.of(q, k, AttentionOptions.from_op_args(*options))
-    return _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state)
+    return _op_grads(_run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state))
+
+
+def _op_grads(grads):
+    """A backward op's outputs: an op returns no None, so dsinks is empty without sinks."""
+    dq, dk, dv, dsinks = grads
+    return dq, dk, dv, torch.zeros(0, dtype=torch.float32, device=dq.device) if dsinks is None else dsinks
 
 
 def _grads_fake(q, k, v, sinks):
@@ -207,8 +210,8 @@ def _varlen_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
                           alibi_slopes, sinks, attn_mask, rng_state, *options):
     params = AttentionParams.packed(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                     AttentionOptions.from_op_args(*options))
-    return _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state,
-                         seqlens=(cu_seqlens_q, cu_seqlens_k))
+    return _op_grads(_run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state,
+                                   seqlens=(cu_seqlens_q, cu_seqlens_k)))
 
 
 def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
