@@ -468,7 +468,7 @@ def _softmax_block(
     rows, keys0, key_start, seqlen_k, lo, hi, qk_scale, mods, mask_tile,
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr,
-    ROW_SUM_MMA: gl.constexpr = False,
+    ROW_SUM_MMA: gl.constexpr,
 ):
     """Probabilities of the key block starting at key_start (its keys are key_start + keys0), the
     accumulator's rescale factor, the new max and sum. ``mods``: the score features' values
