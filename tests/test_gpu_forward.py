@@ -189,6 +189,30 @@ def test_hopper_causal_pairs_cover_every_tile(head_dim, shape, schedule):
     assert_close_to_reference(out, q, k, v, causal_offset=offset, lse=lse, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, (300, 0), (200, 100)],
+                         ids=lambda window: "causal" if window is None else f"left{window[0]}-right{window[1]}")
+@pytest.mark.parametrize("schedule", ["three_consumers_row_sum_mma", "dynamic_three_consumers_row_sum_mma"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_row_sums_on_the_tensor_cores_where_rows_see_no_key(dtype, schedule, window):
+    """The row sums of P·ones (HopperSchedule.row_sum_mma) where Sq > Sk leaves the first rows of a
+    bottom-right causal call without a key (output 0, LSE -inf), and with windows, whose edge blocks
+    are masked on both sides."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    q, k, v = random_qkv(2, 6, 2, 1500, 700, 64, dtype, device="cuda")
+    config = fmha.HopperSchedule(**HOPPER_SCHEDULES[schedule])
+    if window is None:
+        out, lse = fmha.attention(q, k, v, causal=True, return_lse=True, config=config)
+        assert_close_to_reference(out, q, k, v, causal_offset=700 - 1500, lse=lse, atol=1e-5)
+        assert torch.isneginf(lse[:, :, :800]).all() and (out[:, :, :800] == 0).all()
+    else:
+        from fmha.masking import Window
+
+        out, lse = fmha.attention(q, k, v, window=window, return_lse=True, config=config)
+        assert_close_to_reference(out, q, k, v, window=Window.of(1500, 700, left=window[0], right=window[1]), lse=lse,
+                                  atol=1e-5)
+
+
 # (batch, q heads, kv heads, Sq, Sk, head dim): decode shapes whose per-KV-head grid leaves the GPU idle
 SPLIT_KV_SHAPES = [(1, 32, 8, 1, 4096, 128), (8, 32, 8, 1, 2048, 128), (2, 16, 2, 4, 8192, 64),
                    (1, 8, 1, 8, 3000, 256), (3, 12, 4, 2, 1000, 80)]
