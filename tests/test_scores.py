@@ -323,7 +323,8 @@ def test_gluon_forward_draw_tiles_give_the_same_pattern(block_n):
     stacks on a new last axis): a [32, block_n // 8] tile of counters, one per (row pair, eight
     keys), each word's byte pairs spread to 16-bit halves (PRMT 0x4140 and 0x4342), the halves
     expanded to a consumer's 64 rows by block_n keys, and each key's half compared with the
-    threshold as a half-precision number, as ``set.ge.u32.f16x2`` compares them."""
+    threshold as a half-precision number, as ``set.ge.u32.f16x2`` compares them; and dropped_words'
+    arrangement of the same halves as a consumer's 64 rows by block_n // 2 key pairs."""
     seed = int(ops.dropout_seed(torch.Generator().manual_seed(13), "cpu").item())
     first_row, rng_row, keys_per_row = 128, 5000, 1000
     pairs = np.arange(32, dtype=np.uint64)
@@ -336,8 +337,8 @@ def test_gluon_forward_draw_tiles_give_the_same_pattern(block_n):
             words = np.stack([np.stack([word0, word1], -1), np.stack([word2, word3], -1)], -1)
             near = byte[0](words) | (byte[1](words) << np.uint64(16))
             far = byte[2](words) | (byte[3](words) << np.uint64(16))
-            halves = np.stack([near, far], -1)
-            halves = np.stack([halves, halves], -1)
+            pair_halves = np.stack([near, far], -1)
+            halves = np.stack([pair_halves, pair_halves], -1)
             halves = halves.reshape(4, 8, block_n // 32, 4, 2, 2, 2, 2).transpose(0, 5, 1, 2, 4, 6, 3, 7)
             halves = halves.reshape(64, block_n)
             own_half = (halves >> (np.uint64(16) * (np.arange(block_n, dtype=np.uint64) % 2))) & np.uint64(0xFFFF)
@@ -346,6 +347,11 @@ def test_gluon_forward_draw_tiles_give_the_same_pattern(block_n):
                                       np.arange(key_start, key_start + block_n), threshold)
             np.testing.assert_array_equal(keep, expected)
             np.testing.assert_array_equal(own_half >= threshold, expected)  # the half-precision order is the integers'
+            # dropped_words: key pair m's word (key 2m in the low half) against the pair's halves
+            pair_halves = pair_halves.reshape(4, 8, block_n // 32, 4, 2, 2, 2).transpose(0, 5, 1, 2, 4, 6, 3)
+            pair_halves = pair_halves.reshape(64, block_n // 2)
+            word_halves = np.stack([pair_halves & np.uint64(0xFFFF), pair_halves >> np.uint64(16)], -1)
+            np.testing.assert_array_equal(word_halves.reshape(64, block_n) >= threshold, expected)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])

@@ -29,7 +29,7 @@ ROW_SUM_MMA takes each block's row sums from the tensor cores: P times a [BLOCK_
 issued behind P·V, replaces the sum over the block's probabilities (about 70 of a consumer
 thread's 480 instructions per block at head dim 64). The sums are then those of P as P·V takes
 it, rounded to 16 bits. It pays where the issue slots bind (three consumers at D = 64) and costs
-where the tensor cores do.
+where the tensor cores do. With dropout, P·ones takes P before the keep masks and P·V after them.
 
 EMULATED_EXP2 = k computes one exponential in every k on the FMA units (a cubic polynomial,
 relative error 1e-4, far below the 16-bit rounding of P) instead of the MUFU unit, whose 16
@@ -67,8 +67,8 @@ from .schedule import register_budget as schedule_registers
 from .tile_queue import allocate_tile_slots, draw_tile, hand_out_tile, reset_counter, take_tile
 from .masking import key_blocks, sequence_span, visible, visible_block
 from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, BOUNDED_MAX_OFFSET, NO_MASK, SOFTCAP_BOUNDED, alibi_form,
-                     draw_layout, dropout_draws, dropout_key, dropped, expand_mask, load_mask, mask_rows, masked_scores,
-                     pair_conversion, pair_rows, tanh_approx)
+                     draw_layout, dropout_draws, dropout_key, dropped, dropped_words, expand_mask, load_mask, mask_rows,
+                     masked_scores, pair_conversion, pair_rows, tanh_approx)
 
 LN_2: gl.constexpr = gl.constexpr(0.6931471805599453)
 LOG2_E: gl.constexpr = gl.constexpr(1.4426950408889634)
@@ -120,9 +120,9 @@ register_budget = gluon.constexpr_function(schedule_registers)  # callable in th
 
 
 @gluon.constexpr_function
-def _worker_registers(consumers, ctas_per_sm):
+def _worker_registers(consumers, ctas_per_sm, row_sum_mma):
     """worker_num_regs: consumers 1.. (consumer 0 is the default partition), then the load warp."""
-    _, consumer, loader = register_budget(consumers, ctas_per_sm)
+    _, consumer, loader = register_budget(consumers, ctas_per_sm, row_sum_mma)
     return [consumer] * (consumers - 1) + [loader]
 
 
@@ -643,25 +643,44 @@ def _row_sums(row_sum, rows_layout: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
 
 
 @gluon.constexpr_function
-def packs_probs(consumers, dropout, pack_p):
+def packs_probs(consumers, pack_p):
     """Whether a block's probabilities cross the key loop packed in P·V's operand type (half the
     registers of float32; ``HopperSchedule.pack_p``): always with three consumers (160 registers a
-    thread), and never with dropout (it masks them where P·V takes them)."""
-    return (consumers == 3 or bool(pack_p)) and not dropout
+    thread)."""
+    return consumers == 3 or bool(pack_p)
 
 
 @gluon.jit
-def _p_operand(probs, draws, dropout, dtype: gl.constexpr, layout: gl.constexpr, DROPOUT: gl.constexpr):
-    """P·V's operand from a block's probabilities: rounded to ``dtype``, with dropout's zeros (the
-    block's ``draws``, :func:`fmha.backends.gluon_sm90.scores.dropout_draws`) where it is on. Made
-    where P·V takes it, so the words go straight to the operand's registers."""
-    if DROPOUT:
-        p = dropped(probs, draws, dropout[2], dtype)
-    elif probs.dtype == gl.uint32:  # packed where the softmax ended (:func:`_packed_probs`)
-        p = _unpacked_probs(probs, dtype)
+def _p_operand(probs, draws, dropout, dtype: gl.constexpr, layout: gl.constexpr, DROPOUT: gl.constexpr,
+               ROW_SUM_MMA: gl.constexpr):
+    """P·V's operand from a block's probabilities (float32, or packed where the softmax ended,
+    :func:`_packed_probs`): rounded to ``dtype``, with dropout's zeros (the block's ``draws``,
+    :func:`fmha.backends.gluon_sm90.scores.dropout_draws`) where it is on. Made where P·V takes it,
+    so the words go straight to the operand's registers. Returns ``(p, whole)``: ``whole`` is the
+    operand of the row sums (:func:`_summed_rows`), which count the dropped probabilities too;
+    ``p`` itself where nothing is dropped."""
+    whole = 0
+    if probs.dtype == gl.uint32:
+        if DROPOUT:
+            p = _unpacked_probs(dropped_words(probs, draws, dropout[2]), dtype)
+            if ROW_SUM_MMA:
+                whole = gl.convert_layout(_unpacked_probs(probs, dtype), layout)
+        else:
+            p = _unpacked_probs(probs, dtype)
+    elif DROPOUT:
+        if ROW_SUM_MMA:
+            p, whole = dropped(probs, draws, dropout[2], dtype, True)
+            whole = gl.convert_layout(whole, layout)
+        else:
+            p = dropped(probs, draws, dropout[2], dtype, False)
     else:
         p = probs.to(dtype)
-    return gl.convert_layout(p, layout)
+    p = gl.convert_layout(p, layout)
+    if not DROPOUT:
+        whole = p
+    elif not ROW_SUM_MMA:
+        whole = p
+    return p, whole
 
 
 @gluon.constexpr_function
@@ -703,7 +722,7 @@ def _pipelined_blocks(
     p_layout: gl.constexpr = operand_layout(HEAD_DIM)
     o_rows: gl.constexpr = gl.SliceLayout(1, accumulator_layout(HEAD_DIM))
     no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=accumulator_layout(BLOCK_N))
-    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, DROPOUT, PACK_P)
+    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, PACK_P)
     for block in range(block_start, block_end):
         position = ring_base + block
         slot = position % STAGES
@@ -711,16 +730,16 @@ def _pipelined_blocks(
         mbarrier.wait(k_ready.index(slot), (position // STAGES) & 1)
         k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
         if TURN >= 0:  # everything but the products before the turn
-            p = _p_operand(probs, draws, mods[3], v_smem.dtype, p_layout, DROPOUT)  # [ROWS, BLOCK_N]
+            p, whole_p = _p_operand(probs, draws, mods[3], v_smem.dtype, p_layout, DROPOUT, ROW_SUM_MMA)
             _take_turn(TURN)
         scores = _scores(q, k, no_scores, mods, ALIBI)
         mask_tile = _block_mask(mods, block * BLOCK_N, keys0, seqlen_k, score_args, MASKED, MASK, MASK_KEYS)
         mbarrier.wait(v_ready.index(prev_slot), ((position - 1) // STAGES) & 1)
         v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
         if TURN < 0:
-            p = _p_operand(probs, draws, mods[3], v_smem.dtype, p_layout, DROPOUT)  # [ROWS, BLOCK_N]
+            p, whole_p = _p_operand(probs, draws, mods[3], v_smem.dtype, p_layout, DROPOUT, ROW_SUM_MMA)
         acc = warpgroup_mma(p, v, acc, is_async=True)
-        row_sum = _summed_rows(p, ones, row_sum, ROW_SUM_MMA)
+        row_sum = _summed_rows(whole_p, ones, row_sum, ROW_SUM_MMA)
         _pass_turn(TURN)
         # wgmma groups retire in order: this waits for the scores, not for P·V (nor the row sums).
         scores = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=(scores,))
@@ -801,7 +820,7 @@ def _consumer_tile(
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
-    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, DROPOUT, PACK_P)
+    PACKED_P: gl.constexpr = packs_probs(CONSUMERS, PACK_P)
     valid, batch, head, kv_head, first_row, q_start, k_start, seq_q, seq_k, seq_lo, seq_hi, blocks, sequence = _tile(
         step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi,
         CONSUMERS * ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT, VARLEN, DYNAMIC, words)
@@ -870,10 +889,10 @@ def _consumer_tile(
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
             v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
-            p = _p_operand(probs, draws, mods[3], dtype, p_layout, DROPOUT)
+            p, whole_p = _p_operand(probs, draws, mods[3], dtype, p_layout, DROPOUT, ROW_SUM_MMA)
             _take_turn(TURN)
             acc = warpgroup_mma(p, v, acc, is_async=True)
-            row_sum = _summed_rows(p, ones, row_sum, ROW_SUM_MMA)
+            row_sum = _summed_rows(whole_p, ones, row_sum, ROW_SUM_MMA)
             _pass_turn(TURN)
             acc, row_sum = warpgroup_mma_wait(0, deps=(acc, row_sum))
             slot_barriers.signal(_v_slot_barrier(last_slot, STAGES), _slot_threads(CONSUMERS))
@@ -1001,7 +1020,7 @@ def attention_forward_hopper_kernel(
     (SDPA's attn_mask of (batch, head) at ``Mask + batch · stride_mb + head · stride_mh``, strides
     in elements; BOOL_MASK: int8, 0 hides the key; FLOAT_MASK: added to the scores; MASK_KEYS: how
     its keys lie, :data:`fmha.backends.gluon_sm90.scores.PAIRED_MASK_KEYS` and the others). ROW_SUM_MMA:
-    the row sums from the tensor cores (:func:`_summed_rows`; not with DROPOUT)."""
+    the row sums from the tensor cores (:func:`_summed_rows`; with DROPOUT of P before the keep masks)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype)
@@ -1051,7 +1070,7 @@ def attention_forward_hopper_kernel(
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
                                     ROW_SUM_MMA)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
-            worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
+            worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
@@ -1061,7 +1080,7 @@ def attention_forward_hopper_kernel(
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
                                     ROW_SUM_MMA)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
-            worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
+            worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
@@ -1075,4 +1094,4 @@ def attention_forward_hopper_kernel(
                                     ROW_SUM_MMA)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
-            worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM))
+            worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))

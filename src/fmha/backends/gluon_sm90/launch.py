@@ -182,7 +182,7 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "PINGPONG": takes_turns(schedule, features), "PACK_P": schedule.pack_p,
                  "MASK": features.mask_constexpr,
                  "MASK_KEYS": features.mask_keys,
-                 "ROW_SUM_MMA": schedule.row_sum_mma and not features.dropout}
+                 "ROW_SUM_MMA": schedule.row_sum_mma}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",
@@ -200,8 +200,8 @@ def hopper_compile_options(schedule: HopperSchedule, varlen: bool = False) -> di
     """Compile options of the Gluon forward: the launch register count lets ``ctas_per_sm`` CTAs
     share a multiprocessor (:func:`fmha.backends.gluon_sm90.schedule.register_budget`); packed
     sequences launch as the tile list's kernel starts (programmatic dependent launch)."""
-    return {"num_warps": 4, "maxnreg": register_budget(schedule.consumers, schedule.ctas_per_sm)[0],
-            **({"launch_pdl": True} if varlen else {}), **COMPILE_OPTIONS}
+    registers = register_budget(schedule.consumers, schedule.ctas_per_sm, schedule.row_sum_mma)[0]
+    return {"num_warps": 4, "maxnreg": registers, **({"launch_pdl": True} if varlen else {}), **COMPILE_OPTIONS}
 
 
 def left_bound(params: AttentionParams, schedule: HopperSchedule) -> int:

@@ -41,7 +41,7 @@ def softcap_kind(params) -> str:
     return "running"
 
 
-def register_budget(consumers: int, ctas_per_sm: int) -> tuple[int, int, int]:
+def register_budget(consumers: int, ctas_per_sm: int, row_sum_mma: bool = False) -> tuple[int, int, int]:
     """(registers per thread at launch, per consumer thread, per load-warp thread) for ``ctas_per_sm``
     CTAs of ``consumers`` warpgroups and one load warp (padded to a warpgroup) on a multiprocessor.
 
@@ -49,8 +49,9 @@ def register_budget(consumers: int, ctas_per_sm: int) -> tuple[int, int, int]:
     many CTAs fit side by side."""
     threads = 128 * (consumers + 1)
     launch = 65536 // (ctas_per_sm * threads) // 8 * 8  # 64k registers per multiprocessor
-    # 24 is setmaxnreg's minimum; the two-consumer build keeps the 40 it was measured with.
-    loader = 40 if consumers == 2 and ctas_per_sm == 1 else 24
+    # 24 is setmaxnreg's minimum. The two-consumer build keeps the 40 it was measured with, except
+    # with the row sums on the tensor cores, whose operand needs the 8 more (240) at D = 128.
+    loader = 40 if consumers == 2 and ctas_per_sm == 1 and not row_sum_mma else 24
     consumer = min(240, (launch * threads - 128 * loader) // (128 * consumers) // 8 * 8)
     return launch, consumer, loader
 
@@ -72,10 +73,11 @@ class HopperSchedule:
     three stages, or :data:`PINGPONG_LONG_SOFTMAX`: on where the call's softcap, dropout or
     two-sided ALiBi lengthens the softmax and the schedule allows it); ``pack_p``: a block's
     probabilities cross the key loop rounded to P·V's operand type, a word per key pair (half the
-    registers of float32), as three consumers always do (not with dropout, which masks them where
-    P·V takes them); ``row_sum_mma``: each block's row sums come from the tensor cores, P times a
-    column of ones beside P·V, instead of a sum over the block's probabilities on the FMA units
-    (not with dropout, whose row sum counts the dropped probabilities that P·V does not see).
+    registers of float32), as three consumers always do (with dropout the dropped halves of the
+    words are cleared where P·V takes them); ``row_sum_mma``: each block's row sums come from the
+    tensor cores, P times a column of ones beside P·V, instead of a sum over the block's
+    probabilities on the FMA units (with dropout that product takes P before the keep masks, since
+    the sum counts the dropped probabilities).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
@@ -117,7 +119,7 @@ class HopperSchedule:
     def build_refusal(self, head_dim: int) -> str | None:
         """Why this schedule cannot be built for ``head_dim`` (None: it can): its consumers' share
         of the registers is under what the kernel needs, or its tiles overflow shared memory."""
-        registers = register_budget(self.consumers, self.ctas_per_sm)[1]
+        registers = register_budget(self.consumers, self.ctas_per_sm, self.row_sum_mma)[1]
         needed = MIN_CONSUMER_REGISTERS.get((head_dim, self.block_n), DEFAULT_MIN_CONSUMER_REGISTERS)
         if registers < needed:
             return (f"{self.text()} leaves {registers} registers a consumer thread; head dim {head_dim} "

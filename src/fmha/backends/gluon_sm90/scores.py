@@ -318,34 +318,68 @@ def pair_conversion(dtype):
 
 
 @gluon.constexpr_function
-def _dropped_pair_asm(dtype):
+def _dropped_pair_asm(dtype, whole):
     # Both draws of a key pair against the threshold (0xFFFF in each half that keeps), the pair's
     # probabilities rounded to one word of two 16-bit values, and the mask applied to the word.
+    # With ``whole`` the unmasked word is an output too ($1), and the inputs start one later.
+    if whole:
+        return ("{\n.reg .b32 keep;\nset.ge.u32.f16x2 keep, $4, $6;\n" + pair_conversion(dtype)
+                + " $1, $3, $2;\nand.b32 $0, $1, keep;\n}")
     return ("{\n.reg .b32 keep, pair;\nset.ge.u32.f16x2 keep, $3, $5;\n" + pair_conversion(dtype)
             + " pair, $2, $1;\nand.b32 $0, pair, keep;\n}")
 
 
 @gluon.jit
-def dropped(probs, draws, thresholds, dtype: gl.constexpr):
-    """``probs`` ([64, BLOCK_N] in the wgmma accumulator layout) in ``dtype`` (bf16 or fp16, P·V's
-    operand), the dropped ones zero: ``draws`` from :func:`dropout_draws` for the same keys,
-    ``thresholds`` the threshold in both halves of a word."""
-    ROWS: gl.constexpr = probs.shape[0]
-    BLOCK_N: gl.constexpr = probs.shape[1]
-    # A word's bytes 0-1 (keys j, j + 1) and 2-3 (keys j + 8, j + 9) as the 16-bit halves of a word each.
+def _draw_halves(draws):
+    """A word's bytes 0-1 (keys j, j + 1) and 2-3 (keys j + 8, j + 9) of :func:`dropout_draws`'s
+    words as the 16-bit halves of a word each: [pair, group, (j // 16) % 2, (i // 8) % 2, (j // 8) % 2]."""
     near, far = gl.inline_asm_elementwise("prmt.b32 $0, $2, 0, 0x4140;\nprmt.b32 $1, $2, 0, 0x4342;", "=r,=r,r",
                                           [draws], dtype=(gl.uint32, gl.uint32), is_pure=True, pack=1)
-    halves = gl.join(near, far)  # [pair, group, (j // 16) % 2, (i // 8) % 2, (j // 8) % 2]
+    return gl.join(near, far)
+
+
+@gluon.jit
+def dropped(probs, draws, thresholds, dtype: gl.constexpr, WHOLE: gl.constexpr):
+    """``probs`` ([64, BLOCK_N] in the wgmma accumulator layout) in ``dtype`` (bf16 or fp16, P·V's
+    operand), the dropped ones zero: ``draws`` from :func:`dropout_draws` for the same keys,
+    ``thresholds`` the threshold in both halves of a word. With WHOLE, also ``probs`` in ``dtype``
+    with none dropped: ``(kept, whole)``."""
+    ROWS: gl.constexpr = probs.shape[0]
+    BLOCK_N: gl.constexpr = probs.shape[1]
+    halves = _draw_halves(draws)
     halves = gl.join(halves, halves)  # [..., j % 2]: the key pair's two scores share the word
     # to row 16 · (pair // 8) + 8 · ((i // 8) % 2) + pair % 8, key 32 · (group // 4) + 16 · ((j // 16) % 2)
     # + 8 · ((j // 8) % 2) + 2 · (group % 4) + j % 2: the accumulator's own scores, no data moves
     halves = halves.reshape([ROWS // 16, 8, BLOCK_N // 32, 4, 2, 2, 2, 2]).permute((0, 5, 1, 2, 4, 6, 3, 7))
     halves = gl.convert_layout(halves.reshape([ROWS, BLOCK_N]), probs.type.layout, assert_trivial=True)
     # One instance per key pair (consecutive registers, the pair's halves in key order).
+    operands = (probs, halves, gl.full(probs.shape, thresholds, gl.uint32, probs.type.layout))
+    if WHOLE:
+        kept, whole = gl.inline_asm_elementwise(_dropped_pair_asm(dtype, True), "=r,=r,r,r,r,r,r,r", operands,
+                                                dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
+        result = kept.to(dtype, bitcast=True), whole.to(dtype, bitcast=True)
+    else:
+        result = gl.inline_asm_elementwise(_dropped_pair_asm(dtype, False), "=r,r,r,r,r,r,r", operands,
+                                           dtype=gl.int16, is_pure=True, pack=2).to(dtype, bitcast=True)
+    return result
+
+
+@gluon.jit
+def dropped_words(words, draws, thresholds):
+    """As :func:`dropped` for probabilities already rounded: ``words`` uint32 [64, BLOCK_N // 2], key
+    pair m's two 16-bit values in word m (:func:`fmha.backends.gluon_sm90.forward._packed_probs`),
+    returned with the dropped halves zero."""
+    ROWS: gl.constexpr = words.shape[0]
+    PAIRS: gl.constexpr = words.shape[1]
+    halves = _draw_halves(draws)
+    # to row 16 · (pair // 8) + 8 · ((i // 8) % 2) + pair % 8, key pair 16 · (group // 4) + 8 · ((j // 16) % 2)
+    # + 4 · ((j // 8) % 2) + group % 4: the words' own pairs, no data moves
+    halves = halves.reshape([ROWS // 16, 8, PAIRS // 16, 4, 2, 2, 2]).permute((0, 5, 1, 2, 4, 6, 3))
+    halves = gl.convert_layout(halves.reshape([ROWS, PAIRS]), words.type.layout, assert_trivial=True)
     return gl.inline_asm_elementwise(
-        _dropped_pair_asm(dtype), "=r,r,r,r,r,r,r",
-        [probs, halves, gl.full(probs.shape, thresholds, gl.uint32, probs.type.layout)],
-        dtype=gl.int16, is_pure=True, pack=2).to(dtype, bitcast=True)
+        "{\n.reg .b32 keep;\nset.ge.u32.f16x2 keep, $2, $3;\nand.b32 $0, $1, keep;\n}", "=r,r,r,r",
+        [words, halves, gl.full(words.shape, thresholds, gl.uint32, words.type.layout)],
+        dtype=gl.uint32, is_pure=True, pack=1)
 
 
 @gluon.jit
