@@ -161,9 +161,10 @@ def skip_off_hopper():
 @pytest.mark.parametrize("schedule", [{}, {"q_buffers": 2}, {"q_buffers": 2, "pingpong": 0},
                                       {"q_buffers": 2, "row_sum_mma": True}, {"q_buffers": 2, "pack_p": True},
                                       {"q_buffers": 2, "pack_p": True, "row_sum_mma": True},
+                                      {"q_buffers": 2, "pack_p": True, "pingpong": 0},
                                       {"consumers": 3, "q_buffers": 2, "row_sum_mma": True}],
                          ids=["default", "two_q_buffers_shipped", "two_q_buffers_no_turns", "row_sums", "packed_p",
-                              "packed_p_row_sums", "three_consumers_row_sums"])
+                              "packed_p_row_sums", "packed_p_no_turns", "three_consumers_row_sums"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(700, 900), (1500, 500)])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -173,7 +174,7 @@ def test_hopper_forward_drops_the_portable_pattern_gpu(head_dim, seqlen_q, seqle
     state. (1500, 500) causal: rows that see no key, and rows whose only keys may all be dropped.
     With ``row_sum_mma`` the row sums (every probability) come from the tensor cores while P·V
     takes the kept ones; with ``pack_p`` (and three consumers) the dropped halves of packed words
-    are cleared."""
+    are cleared, as the block ends or (with ``row_sum_mma``) where P·V takes them."""
     skip_off_hopper()
     q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash(("dropout", head_dim, seqlen_q, causal)) % 2**31, grad=True)
     hopper = fmha.HopperSchedule(**schedule)

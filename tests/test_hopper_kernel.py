@@ -38,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.tools.disasm import path_to_cuobjdump
 from fmha import HopperSchedule
 from fmha.backends.gluon_sm90 import launch
-from fmha.backends.gluon_sm90.schedule import PINGPONG_LONG_SOFTMAX, PINGPONG_ON
+from fmha.backends.gluon_sm90.schedule import PINGPONG_LONG_SOFTMAX, PINGPONG_OFF, PINGPONG_ON
 
 def sass_of(cubin):
     # cuobjdump's own listing: triton.tools.disasm.get_sass stops at code offset 0x10000.
@@ -52,7 +52,8 @@ for variant in json.loads(sys.argv[1]):
     head_dim, causal, consumers, block_n, stages, emulated_exp2, q_buffers, ctas_per_sm, *extra = variant
     schedule = HopperSchedule(block_n=block_n, stages=stages, consumers=consumers, emulated_exp2=emulated_exp2,
                               q_buffers=q_buffers, ctas_per_sm=ctas_per_sm, dynamic="dynamic" in extra,
-                              pingpong=PINGPONG_ON if "pingpong" in extra else PINGPONG_LONG_SOFTMAX,
+                              pingpong=PINGPONG_ON if "pingpong" in extra
+                              else PINGPONG_OFF if "no_turns" in extra else PINGPONG_LONG_SOFTMAX,
                               pack_p="pack_p" in extra, row_sum_mma="row_sum_mma" in extra)
     # The very source, signature and options the launcher compiles on a GPU.
     alibi = 2 if "alibi_causal" in extra else int("alibi" in extra)
@@ -86,6 +87,10 @@ for variant in json.loads(sys.argv[1]):
         "slot_releases": len(re.findall(r"\bbar\.arrive\s+%r", compiled.asm["ptx"])),
         # the consumers' turns: named barriers of the two consumer warpgroups alone (256 threads)
         "turns": len(re.findall(r"\bbar\.(?:sync|arrive)\s+%r\d+,\s*256;", compiled.asm["ptx"])),
+        # what a consumer does while it holds its turn: from taking it (a 256-thread barrier of the
+        # turns' ids) to passing it, in SASS
+        "compares_in_turns": sum(section.count("HSET2") for section in re.findall(
+            r"BAR\.SYNC\.DEFER_BLOCKING 0x[ef], 0x100(.*?)BAR\.ARV 0x[ef], 0x100", sass, re.S)),
         "global_atomics": len(re.findall(r"\batom\.global", compiled.asm["ptx"])),
         "relaxed_atomics": len(re.findall(r"\batom\.global\.gpu\.relaxed\b", compiled.asm["ptx"])),
         "gpu_fences": sass.count("MEMBAR.ALL.GPU"),
@@ -129,7 +134,9 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (128, False, 2, 64, 3, 0, 2, 1, "mask_bfloat16"),
             (64, False, 3, 128, 2, 0, 2, 1), (64, False, 3, 128, 2, 0, 2, 1, "row_sum_mma"),
             (64, True, 3, 128, 2, 0, 2, 1, "dynamic", "row_sum_mma"),
-            (64, True, 2, 128, 2, 8, 2, 1, "dropout", "row_sum_mma")]
+            (64, True, 2, 128, 2, 8, 2, 1, "dropout", "row_sum_mma"),
+            (64, True, 2, 128, 2, 0, 2, 1, "pack_p", "no_turns"), (64, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p", "no_turns"),
+            (128, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p")]
 
 
 @pytest.fixture(scope="module")
@@ -200,13 +207,14 @@ def test_slots_are_released_through_named_barriers_the_compiler_leaves_free(hopp
 def test_consumers_take_turns_where_the_softmax_is_long(hopper_builds, variant):
     """By default (PINGPONG_LONG_SOFTMAX) the two consumers take turns with softcap, dropout or
     two-sided ALiBi, when the schedule has two consumers and at most three stages (the turns' named
-    barriers sit above the slots'); with PINGPONG_ON always."""
+    barriers sit above the slots'); with PINGPONG_ON always, with PINGPONG_OFF never."""
     from fmha.backends.gluon_sm90.forward import TURN_BARRIER
     from fmha.backends.gluon_sm90.slot_barriers import FIRST_SLOT_BARRIER
 
     consumers, stages, extra = variant[2], variant[4], variant[8:]
     long_softmax = bool({"softcap", "softcap_bounded", "dropout", "alibi"} & set(extra))
-    expected = "pingpong" in extra or (long_softmax and consumers == 2 and stages <= MAX_STAGES_WITH_TURNS)
+    expected = "pingpong" in extra or (long_softmax and consumers == 2 and stages <= MAX_STAGES_WITH_TURNS
+                                       and "no_turns" not in extra)
     build = hopper_builds[",".join(map(str, variant))]
     assert (build["turns"] > 0) == expected
     assert FIRST_SLOT_BARRIER.value + 2 * MAX_STAGES_WITH_TURNS <= TURN_BARRIER.value <= 14  # two of the 16
@@ -298,6 +306,20 @@ def test_packed_p_frees_registers(hopper_builds, variant):
     packed = hopper_builds[",".join(map(str, (*variant, "pack_p")))]
     assert packed["counts"]["STL"] < plain["counts"]["STL"]
     assert packed["counts"]["HGMMA"] == plain["counts"]["HGMMA"]
+
+
+def test_packed_dropout_words_are_masked_before_the_turn(hopper_builds):
+    """With ``pack_p`` and dropout a block's words are masked where the block ends, so a consumer
+    that holds its turn only issues its products: no compare with the threshold (HSET2) lies between
+    taking the turn and passing it. Masked where P·V takes them, the words' compares sit there; the
+    build without turns (shipped at D = 64, causal) still compares every key pair once."""
+    shipped = hopper_builds["128,True,2,128,2,0,2,1,dropout"]
+    packed = hopper_builds["128,True,2,128,2,0,2,1,dropout,pack_p"]
+    assert shipped["compares_in_turns"] > 0 == packed["compares_in_turns"]
+    assert packed["counts"]["HSET2"] > 0
+    no_turns = hopper_builds["64,True,2,128,2,0,2,1,dropout,pack_p,no_turns"]
+    assert no_turns["turns"] == 0 and no_turns["counts"]["HSET2"] > 0
+    assert no_turns["unmasked_loop_spills"] == packed["unmasked_loop_spills"] == 0
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -422,14 +444,15 @@ def test_shipped_rules_follow_the_measurements():
     dynamic = HopperSchedule(persistent=True, q_buffers=2, dynamic=True, pack_p=True)
     for left in (1023, 4095):
         assert schedules.shipped_schedule(attention_params("test", q, q, q, window=(left, 0)), "sm_90", 132)[0] == dynamic
-    # score features: causal ALiBi and a bounded softcap pack P; dropout at D = 64 emulates no
-    # exponential; three consumers only for plain calls
+    # score features: causal ALiBi, a bounded softcap and dropout at D = 64 pack P; dropout at D = 64
+    # emulates no exponential, and its causal calls take no turns; three consumers only for plain calls
     for head_dim, causal, features, expected in [
             (128, True, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2, pack_p=True)),
             (128, False, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2)),
             (64, True, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
-            (64, True, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2)),
-            (64, False, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2)),
+            (64, True, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2, pack_p=True,
+                                                           pingpong=PINGPONG_OFF)),
+            (64, False, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2, pack_p=True)),
             (64, False, dict(softcap=30.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
             (64, True, dict(softcap=30.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
             (64, True, dict(softcap=60.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8,

@@ -650,37 +650,36 @@ def packs_probs(consumers, pack_p):
     return consumers == 3 or bool(pack_p)
 
 
+@gluon.constexpr_function
+def masks_at_tail(packed_p, dropout, row_sum_mma):
+    """Whether a block's packed P words are masked where the block ends (:func:`_pipelined_blocks`)
+    rather than where P·V takes them: then the words cross the key loop ready for P·V, and nothing
+    is left to do between a consumer's turn and its products. Not with ``row_sum_mma``, whose
+    product takes the words unmasked."""
+    return bool(packed_p) and bool(dropout) and not row_sum_mma
+
+
 @gluon.jit
 def _p_operand(probs, draws, dropout, dtype: gl.constexpr, layout: gl.constexpr, DROPOUT: gl.constexpr,
                ROW_SUM_MMA: gl.constexpr):
-    """P·V's operand from a block's probabilities (float32, or packed where the softmax ended,
+    """P·V's operand from a block's probabilities (float32, or words packed where the softmax ended,
     :func:`_packed_probs`): rounded to ``dtype``, with dropout's zeros (the block's ``draws``,
-    :func:`fmha.backends.gluon_sm90.scores.dropout_draws`) where it is on. Made where P·V takes it,
-    so the words go straight to the operand's registers. Returns ``(p, whole)``: ``whole`` is the
-    operand of the row sums (:func:`_summed_rows`), which count the dropped probabilities too;
-    ``p`` itself where nothing is dropped."""
-    whole = 0
+    :func:`fmha.backends.gluon_sm90.scores.dropout_draws`) where it is on, unless the words were
+    masked already (:func:`masks_at_tail`). Made where P·V takes it, so the words go straight to the
+    operand's registers. Returns ``(p, whole)``: ``whole``, the operand of the row sums
+    (:func:`_summed_rows`), counts the dropped probabilities too."""
     if probs.dtype == gl.uint32:
-        if DROPOUT:
+        whole = _unpacked_probs(probs, dtype)
+        if DROPOUT and not masks_at_tail(True, DROPOUT, ROW_SUM_MMA):
             p = _unpacked_probs(dropped_words(probs, draws, dropout[2]), dtype)
-            if ROW_SUM_MMA:
-                whole = gl.convert_layout(_unpacked_probs(probs, dtype), layout)
         else:
-            p = _unpacked_probs(probs, dtype)
+            p = whole
     elif DROPOUT:
-        if ROW_SUM_MMA:
-            p, whole = dropped(probs, draws, dropout[2], dtype, True)
-            whole = gl.convert_layout(whole, layout)
-        else:
-            p = dropped(probs, draws, dropout[2], dtype, False)
+        p, whole = dropped(probs, draws, dropout[2], dtype)
     else:
         p = probs.to(dtype)
-    p = gl.convert_layout(p, layout)
-    if not DROPOUT:
         whole = p
-    elif not ROW_SUM_MMA:
-        whole = p
-    return p, whole
+    return gl.convert_layout(p, layout), gl.convert_layout(whole, layout)
 
 
 @gluon.constexpr_function
@@ -707,6 +706,18 @@ def _unpacked_probs(words, dtype: gl.constexpr):
 
 
 @gluon.jit
+def _packed_block(probs, draws, dropout, dtype: gl.constexpr, PACKED_P: gl.constexpr, DROPOUT: gl.constexpr,
+                  ROW_SUM_MMA: gl.constexpr):
+    """A block's probabilities as they cross the key loop: float32, or with PACKED_P P·V's words,
+    dropout's zeros in them where :func:`masks_at_tail`."""
+    if PACKED_P:
+        probs = _packed_probs(probs, dtype)
+        if masks_at_tail(PACKED_P, DROPOUT, ROW_SUM_MMA):
+            probs = dropped_words(probs, draws, dropout[2])
+    return probs
+
+
+@gluon.jit
 def _pipelined_blocks(
     acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
     rows, keys0, ring_base, block_start, block_end, seqlen_k, lo, hi, qk_scale, mods, score_args, ones,
@@ -716,8 +727,9 @@ def _pipelined_blocks(
     MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
 ):
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
-    sits at ring position ring_base + b. ``probs``: those of the block before; ``draws``: its
-    dropout draws (DROPOUT), applied where P·V takes P (:func:`_p_operand`)."""
+    sits at ring position ring_base + b. ``probs``: those of the block before (:func:`_packed_block`);
+    ``draws``: its dropout draws (DROPOUT), applied where P·V takes P (:func:`_p_operand`) or where
+    the block ended (:func:`masks_at_tail`)."""
     ROWS: gl.constexpr = q.shape[0]
     p_layout: gl.constexpr = operand_layout(HEAD_DIM)
     o_rows: gl.constexpr = gl.SliceLayout(1, accumulator_layout(HEAD_DIM))
@@ -755,8 +767,7 @@ def _pipelined_blocks(
             acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
             if ROW_SUM_MMA:
                 row_sum = row_sum * gl.convert_layout(rescale, gl.SliceLayout(1, row_sum.type.layout))[:, None]
-        if PACKED_P:
-            probs = _packed_probs(probs, v_smem.dtype)
+        probs = _packed_block(probs, draws, mods[3], v_smem.dtype, PACKED_P, DROPOUT, ROW_SUM_MMA)
     return acc, probs, draws, row_max, row_sum
 
 
@@ -860,8 +871,7 @@ def _consumer_tile(
             draws = 0
             if DROPOUT:
                 draws = dropout_draws(start * BLOCK_N, mods[3], BLOCK_N)
-            if PACKED_P:
-                probs = _packed_probs(probs, dtype)
+            probs = _packed_block(probs, draws, mods[3], dtype, PACKED_P, DROPOUT, ROW_SUM_MMA)
             # Blocks wholly visible to every row run without masks; the window's edges and the end
             # of K with: masked (start, full_start), unmasked [full_start, full_end), masked after.
             unmasked_start = gl.maximum(full_start, start + 1)

@@ -318,15 +318,11 @@ def pair_conversion(dtype):
 
 
 @gluon.constexpr_function
-def _dropped_pair_asm(dtype, whole):
+def _dropped_pair_asm(dtype):
     # Both draws of a key pair against the threshold (0xFFFF in each half that keeps), the pair's
-    # probabilities rounded to one word of two 16-bit values, and the mask applied to the word.
-    # With ``whole`` the unmasked word is an output too ($1), and the inputs start one later.
-    if whole:
-        return ("{\n.reg .b32 keep;\nset.ge.u32.f16x2 keep, $4, $6;\n" + pair_conversion(dtype)
-                + " $1, $3, $2;\nand.b32 $0, $1, keep;\n}")
-    return ("{\n.reg .b32 keep, pair;\nset.ge.u32.f16x2 keep, $3, $5;\n" + pair_conversion(dtype)
-            + " pair, $2, $1;\nand.b32 $0, pair, keep;\n}")
+    # probabilities rounded to one word of two 16-bit values ($1), and the mask applied to it ($0).
+    return ("{\n.reg .b32 keep;\nset.ge.u32.f16x2 keep, $4, $6;\n" + pair_conversion(dtype)
+            + " $1, $3, $2;\nand.b32 $0, $1, keep;\n}")
 
 
 @gluon.jit
@@ -339,11 +335,11 @@ def _draw_halves(draws):
 
 
 @gluon.jit
-def dropped(probs, draws, thresholds, dtype: gl.constexpr, WHOLE: gl.constexpr):
+def dropped(probs, draws, thresholds, dtype: gl.constexpr):
     """``probs`` ([64, BLOCK_N] in the wgmma accumulator layout) in ``dtype`` (bf16 or fp16, P·V's
     operand), the dropped ones zero: ``draws`` from :func:`dropout_draws` for the same keys,
-    ``thresholds`` the threshold in both halves of a word. With WHOLE, also ``probs`` in ``dtype``
-    with none dropped: ``(kept, whole)``."""
+    ``thresholds`` the threshold in both halves of a word. Returns ``(kept, whole)``: ``whole`` is
+    ``probs`` in ``dtype`` with none dropped (one conversion makes both)."""
     ROWS: gl.constexpr = probs.shape[0]
     BLOCK_N: gl.constexpr = probs.shape[1]
     halves = _draw_halves(draws)
@@ -354,14 +350,9 @@ def dropped(probs, draws, thresholds, dtype: gl.constexpr, WHOLE: gl.constexpr):
     halves = gl.convert_layout(halves.reshape([ROWS, BLOCK_N]), probs.type.layout, assert_trivial=True)
     # One instance per key pair (consecutive registers, the pair's halves in key order).
     operands = (probs, halves, gl.full(probs.shape, thresholds, gl.uint32, probs.type.layout))
-    if WHOLE:
-        kept, whole = gl.inline_asm_elementwise(_dropped_pair_asm(dtype, True), "=r,=r,r,r,r,r,r,r", operands,
-                                                dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
-        result = kept.to(dtype, bitcast=True), whole.to(dtype, bitcast=True)
-    else:
-        result = gl.inline_asm_elementwise(_dropped_pair_asm(dtype, False), "=r,r,r,r,r,r,r", operands,
-                                           dtype=gl.int16, is_pure=True, pack=2).to(dtype, bitcast=True)
-    return result
+    kept, whole = gl.inline_asm_elementwise(_dropped_pair_asm(dtype), "=r,=r,r,r,r,r,r,r", operands,
+                                            dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
+    return kept.to(dtype, bitcast=True), whole.to(dtype, bitcast=True)
 
 
 @gluon.jit
