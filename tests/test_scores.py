@@ -255,25 +255,25 @@ def philox_reference(c0, c1, c2, c3, key0, key1, rounds=10):
     return c0, c1, c2, c3
 
 
-def counter_words(seed: int, counters):
-    """``tl.randint4x(seed, counters, PHILOX_ROUNDS)``: the 64-bit counter's halves as c0 and c1,
-    c2 = c3 = 0, and the seed's halves as the key."""
-    counters = np.asarray(counters, dtype=np.uint64)
-    zeros = np.zeros_like(counters)
-    return philox_reference(counters & WORD, counters >> 32, zeros, zeros, seed & WORD, seed >> 32,
-                            rounds=PHILOX_ROUNDS.value)
+def counter_words(seed: int, rows, groups):
+    """``tl.philox(seed, 0, rows, 0, groups, PHILOX_ROUNDS)``: the counter ``(0, row, 0, group)``
+    (broadcast), the seed's halves as the key."""
+    rows, groups = np.broadcast_arrays(np.asarray(rows, dtype=np.uint64) & np.uint64(WORD),
+                                       np.asarray(groups, dtype=np.uint64))
+    zeros = np.zeros_like(rows)
+    return philox_reference(zeros, rows, zeros, groups, seed & WORD, seed >> 32, rounds=PHILOX_ROUNDS.value)
 
 
 def keep_reference(seed: int, rng_row: int, rows, keys, threshold: int):
     """Key j of row i (counted within its sequence) keeps its probability where byte
-    2 · ((j // 8) % 2) + j % 2 of word 2 · ((i // 8) % 2) + (j // 16) % 2 of the counter with low
-    word ``4 · (j // 32) + (j % 8) // 2`` and high word ``rng_row + i - (i & 8)`` is >= threshold."""
+    2 · ((j // 8) % 2) + j % 2 of word 2 · ((i // 8) % 2) + (j // 16) % 2 of the counter
+    ``(0, rng_row + i - (i & 8), 0, 4 · (j // 32) + (j % 8) // 2)`` is >= threshold."""
     rows = np.asarray(rows, dtype=np.uint64)[:, None]
     keys = np.asarray(keys, dtype=np.uint64)[None, :]
-    counters = ((np.uint64(rng_row) + rows - (rows & np.uint64(8))) << np.uint64(32)) | (4 * (keys // 32) + (keys % 8) // 2)
+    words = counter_words(seed, np.uint64(rng_row) + rows - (rows & np.uint64(8)), 4 * (keys // 32) + (keys % 8) // 2)
     word = 2 * ((rows // 8) % 2) + (keys // 16) % 2
     byte = 2 * ((keys // 8) % 2) + keys % 2
-    words = np.choose(np.broadcast_to(word, counters.shape).astype(np.intp), counter_words(seed, counters))
+    words = np.choose(np.broadcast_to(word, words[0].shape).astype(np.intp), words)
     return (words >> (np.uint64(8) * byte)) & np.uint64(0xFF) >= threshold
 
 
@@ -308,9 +308,9 @@ def _keep_from_counters(RngState, Keep, rng_row, threshold, BLOCK_M: tl.constexp
 
 
 def test_dropout_rows_use_the_whole_high_word():
-    # Calls of 2^31 rows and more (B · H · Sq): the row is the counter's high word, unsigned.
+    # Calls of 2^31 rows and more (B · H · Sq): the row is a whole word of the counter, unsigned.
     key = ops.dropout_seed(torch.Generator().manual_seed(12), "cpu")
-    for rng_row in (2 ** 31 - 16, 2 ** 32 - 40):
+    for rng_row in (2 ** 31 - 16, 2 ** 32 - 40, 2 ** 32 - 8):  # the last wraps past 2^32
         keep = torch.empty(32, 96, dtype=torch.bool)
         _keep_from_counters[(3,)](key, keep, rng_row, 77, BLOCK_M=32, BLOCK_N=32)
         expected = keep_reference(int(key.item()), rng_row, np.arange(32), np.arange(96), 77)
@@ -333,7 +333,7 @@ def test_gluon_forward_draw_tiles_give_the_same_pattern(block_n):
     for threshold in (1, 2, 77, 255, 256):
         for key_start in range(0, keys_per_row, block_n):
             groups = np.uint64(key_start // 8) + np.arange(block_n // 8, dtype=np.uint64)
-            word0, word1, word2, word3 = counter_words(seed, (row_words[:, None] << np.uint64(32)) | groups[None, :])
+            word0, word1, word2, word3 = counter_words(seed, row_words[:, None], groups[None, :])
             words = np.stack([np.stack([word0, word1], -1), np.stack([word2, word3], -1)], -1)
             near = byte[0](words) | (byte[1](words) << np.uint64(16))
             far = byte[2](words) | (byte[3](words) << np.uint64(16))
@@ -373,7 +373,7 @@ def test_gluon_backward_draw_tiles_give_the_same_pattern(block_m):
         high_bound = np.uint64((threshold * 2 ** 24 - 1) & WORD)  # uint32 arithmetic: 256 wraps to 2^32 - 1
         for first_row in range(0, seqlen_q, block_m):
             row_words = np.uint64(rng_row + first_row) + 16 * (pairs // 8) + pairs % 8
-            word0, word1, word2, word3 = counter_words(seed, (row_words[None, :] << np.uint64(32)) | key_groups[:, None])
+            word0, word1, word2, word3 = counter_words(seed, row_words[None, :], key_groups[:, None])
             first, second = np.where(upper, word1, word0), np.where(upper, word3, word2)
             flags = [((word << shifts) & np.uint64(WORD)) > high_bound
                      for word in (first, second) for shifts in (near_shifts, far_shifts)]

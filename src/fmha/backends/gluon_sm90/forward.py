@@ -572,7 +572,7 @@ def _block_mask(mods, key_start, keys0, seqlen_k, score_args, MASKED: gl.constex
 @gluon.jit
 def _tile_dropout(first_row, rng_row, rng_key, threshold, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     """``(key, row_words, thresholds)`` of a consumer's ROWS rows from ``first_row``: the Philox key,
-    each row pair's counter high word and the threshold in both halves of a word
+    each row pair's counter row word and the threshold in both halves of a word
     (:func:`fmha.backends.gluon_sm90.scores.dropped`; ``threshold`` >= 1). Counters are numbered as
     the portable kernels number them (:func:`fmha.backends.triton.scores.score_mods`): row i of the
     tile's (batch, head) is row ``rng_row + i`` of the call."""

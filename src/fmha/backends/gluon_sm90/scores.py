@@ -258,12 +258,13 @@ def _wide_product(x, FACTOR: gl.constexpr):
 
 
 @gluon.jit
-def philox(c0, c1, key0, key1):
-    """The four words of Philox-4x32-7 for the counter ``(c0, c1, 0, 0)`` (uint32 tensors) and the
-    key ``(key0, key1)`` (uint32 scalars): ``triton.language.randint4x(..., PHILOX_ROUNDS)``'s result."""
-    # Round one with c2 = c3 = 0: its product of c2 is zero.
-    low, high = _wide_product(c0, PHILOX_ROUND_A)
-    c0, c1, c2, c3 = c1 ^ key0, gl.zeros_like(c0), high ^ key1, low
+def philox(rows, groups, key0, key1):
+    """The four words of Philox-4x32-7 for the counter ``(0, rows, 0, groups)`` (uint32 tensors) and
+    the key ``(key0, key1)`` (uint32 scalars): ``triton.language.philox(..., PHILOX_ROUNDS)``'s
+    result. Both varying words enter by an exclusive or, so a loop that keeps either fixed (the
+    forward's rows, the backward's keys) multiplies one word fewer in rounds two and three."""
+    # Round one: the products of c0 = c2 = 0 are zero.
+    c0, c1, c2, c3 = rows ^ key0, gl.zeros_like(rows), groups ^ key1, gl.zeros_like(rows)
     for _ in gl.static_range(PHILOX_ROUNDS - 1):
         key0 = key0 + PHILOX_KEY_A
         key1 = key1 + PHILOX_KEY_B
@@ -282,7 +283,7 @@ def dropout_key(RngState):
 
 @gluon.jit
 def pair_rows(first_row, rng_row, PAIRS: gl.constexpr, layout: gl.constexpr):
-    """uint32 [PAIRS] (``layout``, a slice of a draw layout): the counters' high word for each row
+    """uint32 [PAIRS] (``layout``, a slice of a draw layout): the counters' row word for each row
     pair of the rows from ``first_row`` (a multiple of 16): pair p holds rows 16 · (p // 8) + p % 8
     and 8 below, and its word is ``rng_row`` plus the pair's first row: that row's number in the call
     (:func:`fmha.backends.triton.scores.dropout_keep`)."""
@@ -295,18 +296,18 @@ def dropout_draws(key_start, dropout, BLOCK_N: gl.constexpr):
     """The Philox words of a consumer's [64, BLOCK_N] block of keys key_start.. (a multiple of 32),
     for :func:`dropped`: uint32 [32, BLOCK_N // 8, 2, 2] in :func:`draw_layout` (joined), counter
     (pair, group) by ((j // 16) % 2, (i // 8) % 2). ``dropout``: ``(key, row_words, thresholds)``,
-    the Philox key, each row pair's counter high word (:func:`pair_rows`, ``gl.SliceLayout(1,
+    the Philox key, each row pair's counter row word (:func:`pair_rows`, ``gl.SliceLayout(1,
     draw_layout(BLOCK_N))``) and the threshold in both 16-bit halves of a word (``65537 ·
     threshold``, 1 <= threshold <= 256).
 
     Key j of row i takes byte 2 · ((j // 8) % 2) + j % 2 of word 2 · ((i // 8) % 2) + (j // 16) % 2
-    of the counter whose low word is ``4 · (j // 32) + (j % 8) // 2`` and high word the pair's row:
-    column c of the [32, BLOCK_N // 8] counter tile is the block's group c, and its sixteen draws
-    are the thread's own scores."""
+    of the counter ``(0, row, 0, group)``, the pair's row and the key group ``4 · (j // 32) + (j % 8) // 2``
+    (:func:`philox`): column c of the [32, BLOCK_N // 8] counter tile is the block's group c, and its
+    sixteen draws are the thread's own scores."""
     key, row_words, _ = dropout
     groups = (key_start // 8 + gl.arange(0, BLOCK_N // 8, layout=gl.SliceLayout(0, draw_layout(BLOCK_N))))
     groups, rows = gl.broadcast(groups.to(gl.uint32)[None, :], row_words[:, None])
-    word0, word1, word2, word3 = philox(groups, rows, key[0], key[1])
+    word0, word1, word2, word3 = philox(rows, groups, key[0], key[1])
     return gl.join(gl.join(word0, word1), gl.join(word2, word3))
 
 
@@ -380,7 +381,7 @@ def transposed_keep_bits(first_key, key_rows, row_words, key, high_bound, ROWS: 
     or uint64 for 128 rows): the backward draws them before its products, when few registers are
     live, and :func:`unpack_keep` expands them where they are used. ``key_rows``: int32
     ``arange(32)`` in ``gl.SliceLayout(1, transposed_draw_layout(ROWS))`` (key 16 · (r // 8) + r % 8
-    and 8 below it); ``row_words``: the query pairs' counter high words (:func:`pair_rows`,
+    and 8 below it); ``row_words``: the query pairs' counter row words (:func:`pair_rows`,
     ``gl.SliceLayout(0, ...)``); ``high_bound``: ``2^24 · threshold - 1``.
 
     Each of the two query rows takes its word (by the keys' bit 4), and each key its byte by a
@@ -393,7 +394,7 @@ def transposed_keep_bits(first_key, key_rows, row_words, key, high_bound, ROWS: 
     far_shifts = (8 - 8 * (key_rows & 1)).to(gl.uint32)[:, None]  # byte 2 + j % 2 (key j + 8)
     upper = ((key_rows // 8) % 2 == 1)[:, None]  # (j // 16) % 2
     groups, rows = gl.broadcast(groups.to(gl.uint32)[:, None], row_words[None, :])
-    word0, word1, word2, word3 = philox(groups, rows, key[0], key[1])
+    word0, word1, word2, word3 = philox(rows, groups, key[0], key[1])
     first, second = gl.where(upper, word1, word0), gl.where(upper, word3, word2)  # query rows i, i + 8
     nibbles = (((first << near_shifts) > high_bound).to(BITS) | (((first << far_shifts) > high_bound).to(BITS) << 1)
                | (((second << near_shifts) > high_bound).to(BITS) << 2)

@@ -97,9 +97,12 @@ def _draws(seed, rng_row, rows, first_key, BLOCK_M: tl.constexpr, KEYS: tl.const
     [first_key, first_key + KEYS) (both multiples of 32); see :func:`dropout_keep`."""
     # rows i with i % 16 < 8: the first row of each pair
     leaders, _ = tl.split(rows.reshape(BLOCK_M // 16, 2, 8).permute(0, 2, 1))  # [M / 16, 8]
-    groups = (first_key // 8 + tl.arange(0, KEYS // 8)).to(tl.int64)  # [N / 8]: 4 · (j // 32) + (j % 8) // 2
-    counters = ((rng_row + leaders.to(tl.int64)) << 32)[:, :, None] | groups[None, None, :]
-    word0, word1, word2, word3 = tl.randint4x(seed, counters, PHILOX_ROUNDS)
+    groups = (first_key // 8 + tl.arange(0, KEYS // 8)).to(tl.uint32)  # [N / 8]: 4 · (j // 32) + (j % 8) // 2
+    shape: tl.constexpr = [BLOCK_M // 16, 8, KEYS // 8]
+    pair_rows = tl.broadcast_to((rng_row + leaders.to(tl.int64)).to(tl.uint32)[:, :, None], shape)
+    zeros = tl.zeros(shape, tl.uint32)
+    word0, word1, word2, word3 = tl.philox(seed, zeros, pair_rows, zeros, tl.broadcast_to(groups[None, None, :], shape),
+                                           PHILOX_ROUNDS)
     # [M/16, i % 8, group, word % 2 (= (j // 16) % 2), word // 2 (= (i // 8) % 2)]
     words = tl.join(tl.join(word0, word1), tl.join(word2, word3)).to(tl.uint32, bitcast=True)
     # byte b of a word: b % 2 = j % 2, b // 2 = (j // 8) % 2
@@ -118,8 +121,10 @@ def dropout_keep(seed, rng_row, rows, first_key, threshold, BLOCK_M: tl.constexp
     Philox-4x32-7 (key ``seed``) gives four 32-bit words per counter, sixteen 8-bit draws, for a
     block of two rows by eight keys: rows i and i + 8 (i % 16 < 8) and keys j + {0, 1, 8, 9, 16, 17,
     24, 25} (j % 32 < 8, even). Key j of row i takes byte 2 · ((j // 8) % 2) + j % 2 of word
-    2 · ((i // 8) % 2) + (j // 16) % 2 of the counter whose low word is the key group
-    ``4 · (j // 32) + (j % 8) // 2`` and whose high word is the pair's first row ``rng_row + i - (i & 8)``.
+    2 · ((i // 8) % 2) + (j // 16) % 2 of the counter ``(0, row, 0, group)``: ``row`` the pair's first
+    row ``rng_row + i - (i & 8)`` (modulo 2^32) and ``group`` the key group ``4 · (j // 32) + (j % 8) // 2``.
+    Both enter Philox's first round by an exclusive or, so a kernel whose loop keeps the rows (the
+    forward) or the keys (a backward) fixed makes fewer of the later rounds' products per block.
     A score's bits depend on its (row, key) alone, so the backward, whatever its tiles, regenerates
     the forward's. An NVIDIA tensor-core accumulator (wgmma, mma.sync) gives one thread rows i and
     i + 8 and key pairs 8 apart: the Hopper forward draws a counter's sixteen bytes in the thread
