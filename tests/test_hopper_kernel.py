@@ -311,12 +311,11 @@ def test_packed_p_frees_registers(hopper_builds, variant):
 def test_packed_dropout_words_are_masked_before_the_turn(hopper_builds):
     """With ``pack_p`` and dropout a block's words are masked where the block ends, so a consumer
     that holds its turn only issues its products: no compare with the threshold (HSET2) lies between
-    taking the turn and passing it. Masked where P·V takes them, the words' compares sit there; the
-    build without turns (shipped at D = 64, causal) still compares every key pair once."""
-    shipped = hopper_builds["128,True,2,128,2,0,2,1,dropout"]
+    taking the turn and passing it, whatever ptxas schedules (masked where P·V takes them, triton
+    3.6's ptxas moved the first consumer's compares past the barrier). The build without turns
+    (shipped at D = 64, causal) compares every key pair too."""
     packed = hopper_builds["128,True,2,128,2,0,2,1,dropout,pack_p"]
-    assert shipped["compares_in_turns"] > 0 == packed["compares_in_turns"]
-    assert packed["counts"]["HSET2"] > 0
+    assert packed["turns"] > 0 and packed["compares_in_turns"] == 0 < packed["counts"]["HSET2"]
     no_turns = hopper_builds["64,True,2,128,2,0,2,1,dropout,pack_p,no_turns"]
     assert no_turns["turns"] == 0 and no_turns["counts"]["HSET2"] > 0
     assert no_turns["unmasked_loop_spills"] == packed["unmasked_loop_spills"] == 0
