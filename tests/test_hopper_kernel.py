@@ -135,7 +135,8 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (64, False, 3, 128, 2, 0, 2, 1), (64, False, 3, 128, 2, 0, 2, 1, "row_sum_mma"),
             (64, True, 3, 128, 2, 0, 2, 1, "dynamic", "row_sum_mma"),
             (64, True, 2, 128, 2, 8, 2, 1, "dropout", "row_sum_mma"),
-            (64, True, 2, 128, 2, 0, 2, 1, "pack_p", "no_turns"), (64, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p", "no_turns"),
+            (64, True, 2, 128, 2, 0, 2, 1, "pack_p", "no_turns"),
+            (64, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p", "no_turns"),
             (128, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p")]
 
 

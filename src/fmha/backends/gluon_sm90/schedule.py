@@ -74,10 +74,10 @@ class HopperSchedule:
     two-sided ALiBi lengthens the softmax and the schedule allows it); ``pack_p``: a block's
     probabilities cross the key loop rounded to P·V's operand type, a word per key pair (half the
     registers of float32), as three consumers always do (with dropout the dropped halves of the
-    words are cleared as the block ends, or with ``row_sum_mma`` where P·V takes them); ``row_sum_mma``: each block's row sums come from the
-    tensor cores, P times a column of ones beside P·V, instead of a sum over the block's
-    probabilities on the FMA units (with dropout that product takes P before the keep masks, since
-    the sum counts the dropped probabilities).
+    words are cleared as the block ends, or with ``row_sum_mma`` where P·V takes them);
+    ``row_sum_mma``: each block's row sums come from the tensor cores, P times a column of ones
+    beside P·V, instead of a sum over the block's probabilities on the FMA units (with dropout that
+    product takes P before the keep masks, since the sum counts the dropped probabilities).
     """
 
     backend: ClassVar[str] = "gluon_sm90"
