@@ -6,10 +6,13 @@ import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fmha
 from fmha import ops
 from fmha.backends.triton.launch import TileList
+from fmha.backends.triton.varlen import PACKED_TAIL_HEADS, packed_tile
 from fmha.masking import Window
 from fmha.params import AttentionOptions
 
@@ -101,6 +104,43 @@ def test_equal_lengths_match_the_dense_call():
     packed = fmha.varlen_attention(q, k, v, cu_q, cu_k, 24, 24, causal=True)
     dense = fmha.attention(*(t.view(3, 24, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)), causal=True)
     torch.testing.assert_close(packed, dense.transpose(1, 2).reshape(q.shape), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("lengths", [[37, 0, 1, 20, 53], [5, 0, 1, 37, 20]], ids=["self", "causal-rows"])
+def test_heads_before_and_in_the_tail_match_float64(lengths):
+    # 6 query heads: two walked alone, four together; 3 KV heads: all together (backward).
+    q, k, v, cu_q, cu_k = packed_inputs(lengths, lengths, 6, 3, 16, torch.float32, requires_grad=True)
+    out = fmha.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(lengths), causal=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for rows, keys in sequences(cu_q, cu_k):
+        if rows.stop == rows.start:
+            continue
+        window = window_of(rows.stop - rows.start, keys.stop - keys.start, None, None, True)
+        inputs = [as_bhsd(t.detach()) for t in (q[rows], k[keys], v[keys])]
+        assert_close_to_reference(as_bhsd(out[rows].detach()), *inputs, window=window)
+        assert_grads_close((as_bhsd(dq[rows]), as_bhsd(dk[keys]), as_bhsd(dv[keys])), *inputs,
+                           as_bhsd(dout[rows]), window=window)
+
+
+@triton.jit
+def _packed_tiles_kernel(Heads, Entries, entries, num_heads):
+    head, entry = packed_tile(tl.program_id(0), entries, num_heads)
+    tl.store(Heads + tl.program_id(0), head)
+    tl.store(Entries + tl.program_id(0), entry)
+
+
+@pytest.mark.parametrize("num_heads", [1, 3, 4, 6, 9])
+@pytest.mark.parametrize("entries", [1, 5])
+def test_packed_tiles_cover_every_head_and_entry_once_the_last_heads_together(num_heads, entries):
+    heads = torch.full((entries * num_heads,), -1, dtype=torch.int32)
+    listed = torch.full_like(heads, -1)
+    _packed_tiles_kernel[(entries * num_heads,)](heads, listed, entries, num_heads)
+    pairs = list(zip(heads.tolist(), listed.tolist()))
+    tail = min(num_heads, PACKED_TAIL_HEADS.value)
+    alone = [(h, e) for h in range(num_heads - tail) for e in range(entries)]
+    together = [(h, e) for e in range(entries) for h in range(num_heads - tail, num_heads)]
+    assert pairs == alone + together
 
 
 def test_bfloat16_computes_in_float32_under_the_interpreter():

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...compat import cta_barrier, tma_atomic_add, tma_load, tma_store
 from .forward import CONSUMER_WARPS, _store_rows, accumulator_layout, operand_layout
-from .masking import query_blocks, sequence_span, visible, visible_block_transposed
+from .masking import packed_tile, query_blocks, sequence_span, visible, visible_block_transposed
 from .scores import (NO_MASK, STRIDED_MASK_KEYS, dropout_key, expand_mask, masked_scores, modified_scores, pair_rows,
                      transposed_draw_layout, transposed_keep_bits, unpack_keep)
 from .tile_queue import allocate_tile_slots, draw_tile, hand_out_tile, take_tile
@@ -104,19 +104,18 @@ def _program_tile(tile, num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, 
     in its own rows.
 
     Packed sequences (VARLEN): ``sequences`` holds cu_seqlens_q, cu_seqlens_k and the key blocks'
-    tile list (:mod:`fmha.backends.triton.varlen`, deepest first); tile t is entry t % E for
-    KV head t // E; seqlen_q and seqlen_k arrive as the packed totals, lo and hi without the
+    tile list (:mod:`fmha.backends.triton.varlen`, deepest first), taken by KV heads a group at a
+    time (:func:`packed_tile`); seqlen_q and seqlen_k arrive as the packed totals, lo and hi without the
     sequence's Sk - Sq. Entries past the list's end are not valid. ``sequence`` indexes the
     sequence's ALiBi slopes (the batch, dense)."""
     if VARLEN:
         cu_seqlens_q, cu_seqlens_k, tiles = sequences
-        entries = num_tiles // num_kv_heads
-        entry = tile % entries
+        kv_head, entry = packed_tile(tile, num_tiles // num_kv_heads, num_kv_heads)
         seq = gl.load(tiles + 2 * entry)
         sequence = gl.maximum(seq, 0)
         q_start, seq_q = sequence_span(cu_seqlens_q, sequence, seqlen_q)
         k_start, seq_k = sequence_span(cu_seqlens_k, sequence, seqlen_k)
-        return (seq >= 0, 0, tile // entries, gl.load(tiles + 2 * entry + 1), q_start, seq_q, k_start,
+        return (seq >= 0, 0, kv_head, gl.load(tiles + 2 * entry + 1), q_start, seq_q, k_start,
                 seq_k, lo + seq_k - seq_q, hi + seq_k - seq_q, sequence)
     else:
         batch, kv_head, n_block = _program_block(tile, num_tiles, num_kv_heads, seqlen_k, BLOCK_N, HEAD_GROUP)
