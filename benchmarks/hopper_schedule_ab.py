@@ -100,6 +100,25 @@ def kernel_times(fn, repeats=20) -> dict:
     return times
 
 
+def tree_row(tree: str, case: str, forward, inputs) -> dict:
+    """One tree's kernel times for a case (``benchmarks/*_tree_ab.py``): the forward's kernel and every
+    kernel of the backward of one saved forward, by the profiler (median of 3), with checksums of
+    the output and of dK that show whether two trees compute the same."""
+    out = forward()
+    grad_out = torch.randn_like(out)
+
+    def backward():
+        return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+
+    grads = backward()
+    with torch.no_grad():
+        return {"tree": tree, "case": case,
+                "out_checksum": float(out.double().abs().sum()),
+                "dk_checksum": float(grads[1].double().abs().sum()),
+                "forward_us": statistics.median(max(kernel_times(forward).values()) for _ in range(3)),
+                "backward_us": statistics.median(sum(kernel_times(backward).values()) for _ in range(3))}
+
+
 def kernel_us(fn, repeats=20) -> float:
     """Mean device microseconds per call of the attention kernel (the longest one)."""
     return max(kernel_times(fn, repeats).values())

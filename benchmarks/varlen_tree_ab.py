@@ -9,7 +9,6 @@ alternating, to compare two; the output's checksum shows whether the trees compu
 import itertools
 import json
 import pathlib
-import statistics
 import sys
 
 import torch
@@ -17,7 +16,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import fmha  # noqa: E402
 from fmha.tools.bench.cases import EQUAL_SEQUENCES, NINE_SEQUENCES, one_long_many_short  # noqa: E402
-from hopper_schedule_ab import kernel_times  # noqa: E402
+from hopper_schedule_ab import tree_row  # noqa: E402
 
 # (name, lengths, query heads, KV heads, head dim, causal), bf16
 CASES = [("9 sequences", NINE_SEQUENCES, 16, 16, 128, True),
@@ -44,19 +43,7 @@ def main():
             def forward():
                 return fmha.varlen_attention(q, k, v, cu, cu, longest, longest, causal=causal)
 
-            out = forward()
-            grad_out = torch.randn_like(out)
-
-            def backward():
-                return torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
-
-            grads = backward()
-            with torch.no_grad():
-                row = {"tree": sys.argv[2], "case": name,
-                       "out_checksum": float(out.double().abs().sum()),
-                       "dk_checksum": float(grads[1].double().abs().sum()),
-                       "forward_us": statistics.median(max(kernel_times(forward).values()) for _ in range(3)),
-                       "backward_us": statistics.median(sum(kernel_times(backward).values()) for _ in range(3))}
+            row = tree_row(sys.argv[2], name, forward, (q, k, v))
             print(json.dumps(row), flush=True)
             log.write(json.dumps(row) + "\n")
 

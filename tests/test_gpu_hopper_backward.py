@@ -31,6 +31,9 @@ def test_default_backward_is_the_hopper_kernel(dtype, head_dim):
     dict(batch=1, q_heads=8, kv_heads=1, seqlen_q=700, seqlen_k=2100, head_dim=64, causal=True, layout="bhsd"),
     dict(batch=1, q_heads=4, kv_heads=4, seqlen_q=2000, seqlen_k=2000, head_dim=128, window=(255, 0), layout="bhsd"),
     dict(batch=1, q_heads=4, kv_heads=2, seqlen_q=1000, seqlen_k=1000, head_dim=64, window=(100, 300), layout="bhsd"),
+    # causal heads of more than 64 key blocks: head after head, the last four together
+    dict(batch=1, q_heads=12, kv_heads=6, seqlen_q=8300, seqlen_k=8400, head_dim=64, causal=True, layout="bhsd"),
+    dict(batch=2, q_heads=3, kv_heads=3, seqlen_q=8320, seqlen_k=8320, head_dim=128, causal=True, layout="bshd"),
 ], ids=lambda case: "-".join(f"{name}={value}" for name, value in case.items()).replace(" ", ""))
 def test_hopper_backward_cases(case):
     case = dict(case)

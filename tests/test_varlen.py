@@ -12,7 +12,7 @@ import triton.language as tl
 import fmha
 from fmha import ops
 from fmha.backends.triton.launch import TileList
-from fmha.backends.triton.varlen import PACKED_TAIL_HEADS, packed_tile
+from fmha.backends.triton.varlen import TAIL_HEADS, head_and_entry
 from fmha.masking import Window
 from fmha.params import AttentionOptions
 
@@ -124,20 +124,20 @@ def test_heads_before_and_in_the_tail_match_float64(lengths):
 
 
 @triton.jit
-def _packed_tiles_kernel(Heads, Entries, entries, num_heads):
-    head, entry = packed_tile(tl.program_id(0), entries, num_heads)
+def _head_and_entry_kernel(Heads, Entries, entries, num_heads):
+    head, entry = head_and_entry(tl.program_id(0), entries, num_heads)
     tl.store(Heads + tl.program_id(0), head)
     tl.store(Entries + tl.program_id(0), entry)
 
 
 @pytest.mark.parametrize("num_heads", [1, 3, 4, 6, 9])
 @pytest.mark.parametrize("entries", [1, 5])
-def test_packed_tiles_cover_every_head_and_entry_once_the_last_heads_together(num_heads, entries):
+def test_tiles_cover_every_head_and_entry_once_the_last_heads_together(num_heads, entries):
     heads = torch.full((entries * num_heads,), -1, dtype=torch.int32)
     listed = torch.full_like(heads, -1)
-    _packed_tiles_kernel[(entries * num_heads,)](heads, listed, entries, num_heads)
+    _head_and_entry_kernel[(entries * num_heads,)](heads, listed, entries, num_heads)
     pairs = list(zip(heads.tolist(), listed.tolist()))
-    tail = min(num_heads, PACKED_TAIL_HEADS.value)
+    tail = min(num_heads, TAIL_HEADS.value)
     alone = [(h, e) for h in range(num_heads - tail) for e in range(entries)]
     together = [(h, e) for e in range(entries) for h in range(num_heads - tail, num_heads)]
     assert pairs == alone + together

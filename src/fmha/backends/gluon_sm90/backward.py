@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...compat import cta_barrier, tma_atomic_add, tma_load, tma_store
 from .forward import CONSUMER_WARPS, _store_rows, accumulator_layout, operand_layout
-from .masking import packed_tile, query_blocks, sequence_span, visible, visible_block_transposed
+from .masking import head_and_entry, query_blocks, sequence_span, visible, visible_block_transposed
 from .scores import (NO_MASK, STRIDED_MASK_KEYS, dropout_key, expand_mask, masked_scores, modified_scores, pair_rows,
                      transposed_draw_layout, transposed_keep_bits, unpack_keep)
 from .tile_queue import allocate_tile_slots, draw_tile, hand_out_tile, take_tile
@@ -81,7 +81,8 @@ def _program_block(tile, num_tiles, num_kv_heads, seqlen_k, BLOCK_N: gl.constexp
     (they share its Q and dO in L2), the first keys first (causal: they see the most rows). With
     HEAD_GROUP, heads of up to GROUPED_BLOCKS key blocks go in groups of that many, and a group's
     key blocks in order of their first key across its heads: the last tiles to start are then
-    short ones, not a head's longest (longer heads keep their own order: there L2 rules)."""
+    short ones, not a head's longest. Longer heads keep their own order (there L2 rules), but for
+    the last few, which walk their blocks together (:func:`head_and_entry`)."""
     num_n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
     n_block = tile % num_n_blocks
     batch_head = tile // num_n_blocks
@@ -93,6 +94,8 @@ def _program_block(tile, num_tiles, num_kv_heads, seqlen_k, BLOCK_N: gl.constexp
             within = tile - (tile // group_tiles) * group_tiles
             n_block = within // members
             batch_head = first_head + within % members
+        else:
+            batch_head, n_block = head_and_entry(tile, num_n_blocks, num_tiles // num_n_blocks)
     return batch_head // num_kv_heads, batch_head % num_kv_heads, n_block
 
 
@@ -104,13 +107,13 @@ def _program_tile(tile, num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, 
     in its own rows.
 
     Packed sequences (VARLEN): ``sequences`` holds cu_seqlens_q, cu_seqlens_k and the key blocks'
-    tile list (:mod:`fmha.backends.triton.varlen`, deepest first), taken by KV heads a group at a
-    time (:func:`packed_tile`); seqlen_q and seqlen_k arrive as the packed totals, lo and hi without the
-    sequence's Sk - Sq. Entries past the list's end are not valid. ``sequence`` indexes the
-    sequence's ALiBi slopes (the batch, dense)."""
+    tile list (:mod:`fmha.backends.triton.varlen`, deepest first), taken KV head after KV head,
+    the last few together (:func:`head_and_entry`); seqlen_q and seqlen_k arrive as the packed
+    totals, lo and hi without the sequence's Sk - Sq. Entries past the list's end are not valid.
+    ``sequence`` indexes the sequence's ALiBi slopes (the batch, dense)."""
     if VARLEN:
         cu_seqlens_q, cu_seqlens_k, tiles = sequences
-        kv_head, entry = packed_tile(tile, num_tiles // num_kv_heads, num_kv_heads)
+        kv_head, entry = head_and_entry(tile, num_tiles // num_kv_heads, num_kv_heads)
         seq = gl.load(tiles + 2 * entry)
         sequence = gl.maximum(seq, 0)
         q_start, seq_q = sequence_span(cu_seqlens_q, sequence, seqlen_q)

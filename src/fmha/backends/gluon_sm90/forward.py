@@ -65,7 +65,7 @@ from . import slot_barriers
 from .chain import wait_for_previous_kernel
 from .schedule import register_budget as schedule_registers
 from .tile_queue import allocate_tile_slots, draw_tile, hand_out_tile, reset_counter, take_tile
-from .masking import key_blocks, packed_tile, sequence_span, visible, visible_block
+from .masking import head_and_entry, key_blocks, sequence_span, visible, visible_block
 from .scores import (ALIBI_CAUSAL, ALIBI_CAUSAL_MMA, BOUNDED_MAX_OFFSET, NO_MASK, SOFTCAP_BOUNDED, alibi_form,
                      draw_layout, dropout_draws, dropout_key, dropped, dropped_words, expand_mask, load_mask, mask_rows,
                      masked_scores, pair_conversion, pair_rows, tanh_approx)
@@ -269,13 +269,16 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
     head (m and M - 1 - m), so that every pair, and every program, has the same number of key
     blocks: program p walks pairs p, p + P, p + 2P, ... of the cdiv(T, 2) pairs, the last one too
     (dealing the remainder out as single tiles left some programs twice the work of others).
-    Tiles taken from a counter (DYNAMIC) come longest first within a head, as with one program per tile."""
+    Tiles taken from a counter (DYNAMIC) come longest first within a head, as with one program per
+    tile; there the last heads of a causal launch walk their blocks together
+    (:func:`head_and_entry`), so that their longest tiles do not start last."""
     programs = gl.num_programs(0)
     if DYNAMIC:
         tile = step
     else:
         tile = gl.program_id(0) + step * programs
     m_block = tile % num_m_blocks
+    batch_head = tile // num_m_blocks
     if HAS_RIGHT:
         if not DYNAMIC and _paired(num_tiles, HAS_RIGHT, False):
             tile = 2 * (gl.program_id(0) + (step // 2) * programs) + step % 2
@@ -284,9 +287,12 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
                 m_block = num_m_blocks - 1 - local // 2
             else:
                 m_block = local // 2
-        else:
+            batch_head = tile // num_m_blocks
+        elif HAS_LEFT:
             m_block = num_m_blocks - 1 - m_block
-    batch_head = tile // num_m_blocks
+        else:
+            batch_head, m_block = head_and_entry(tile, num_m_blocks, num_tiles // num_m_blocks)
+            m_block = num_m_blocks - 1 - m_block
     head = batch_head % num_q_heads
     first_row = m_block * BLOCK_M
     # Key blocks [start, end): [start, full_start) and [full_end, end) need the mask, the others not.
@@ -297,9 +303,10 @@ def _tile_coordinates(step, num_tiles, num_m_blocks, num_q_heads, group_size, se
 @gluon.jit
 def _sequence_words(tile, sequences, num_tiles, num_q_heads, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr):
     """What a packed tile reads from memory: ``(sequence, first row, q_start, seqlen_q, k_start,
-    seqlen_k)``: its entry of the list (:func:`packed_tile`); the sequence is -1 past the list's end."""
+    seqlen_k)``: its entry of the list (:func:`head_and_entry`); the sequence is -1 past the list's
+    end."""
     cu_seqlens_q, cu_seqlens_k, tiles = sequences
-    entry = packed_tile(tile, num_tiles // num_q_heads, num_q_heads)[1]
+    entry = head_and_entry(tile, num_tiles // num_q_heads, num_q_heads)[1]
     seq = gl.load(tiles + 2 * entry)
     first_row = gl.load(tiles + 2 * entry + 1) * BLOCK_M
     q_start, seq_q = sequence_span(cu_seqlens_q, gl.maximum(seq, 0), seqlen_q)
@@ -316,8 +323,8 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
     rows; ``sequence`` is the batch index, or the packed sequence's.
 
     Packed sequences (VARLEN): ``sequences`` holds cu_seqlens_q, cu_seqlens_k and the tile list
-    (:mod:`fmha.backends.triton.varlen`), taken by heads a group at a time (:func:`packed_tile`:
-    a group's tiles side by side share its K/V in L2); seqlen_q and
+    (:mod:`fmha.backends.triton.varlen`), taken head after head, the last few together
+    (:func:`head_and_entry`: a head's tiles side by side share its K/V in L2); seqlen_q and
     seqlen_k arrive as the packed totals, lo and hi without the sequence's Sk - Sq. Entries past
     the list's end are not valid. ``words``: the tile's :func:`_sequence_words`, where the caller
     has them already (else they are loaded). Dense tiles start at token 0 of their batch."""
@@ -329,7 +336,7 @@ def _tile(step, sequences, num_tiles, num_m_blocks, num_q_heads, group_size, seq
         if len(words) == 0:
             words = _sequence_words(tile, sequences, num_tiles, num_q_heads, seqlen_q, seqlen_k, BLOCK_M)
         seq, first_row, q_start, seq_q, k_start, seq_k = words
-        head = packed_tile(tile, num_tiles // num_q_heads, num_q_heads)[0]
+        head = head_and_entry(tile, num_tiles // num_q_heads, num_q_heads)[0]
         seq_lo = lo + seq_k - seq_q
         seq_hi = hi + seq_k - seq_q
         blocks = key_blocks(first_row, BLOCK_M, seq_k, seq_lo, seq_hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)

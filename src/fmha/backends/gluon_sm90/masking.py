@@ -121,16 +121,15 @@ def sequence_span(cu_seqlens, seq, total):
     return start, end - start
 
 
-# The last heads of a packed call that walk the tile list together
-# (fmha.backends.triton.varlen.PACKED_TAIL_HEADS).
-PACKED_TAIL_HEADS: gl.constexpr = gl.constexpr(4)
+# The last heads of a launch that walk their tiles together (fmha.backends.triton.varlen.TAIL_HEADS).
+TAIL_HEADS: gl.constexpr = gl.constexpr(4)
 
 
 @gluon.jit
-def packed_tile(tile, entries, num_heads):
-    """``(head, entry)`` of tile ``tile`` of a packed call whose tile list has ``entries`` entries
-    per head (:func:`fmha.backends.triton.varlen.packed_tile`)."""
-    tail_heads = gl.minimum(num_heads, PACKED_TAIL_HEADS)
+def head_and_entry(tile, entries, num_heads):
+    """``(head, entry)`` of tile ``tile`` of a launch of ``entries`` tiles for each of ``num_heads``
+    heads (:func:`fmha.backends.triton.varlen.head_and_entry`)."""
+    tail_heads = gl.minimum(num_heads, TAIL_HEADS)
     tail_start = (num_heads - tail_heads) * entries
     within = gl.maximum(tile - tail_start, 0)
     head = gl.where(tile < tail_start, tile // entries, num_heads - tail_heads + within % tail_heads)

@@ -299,7 +299,7 @@ def attention_forward_kernel(
     if VARLEN:
         # Packed sequences: Q is (1, Hq, total_q, D), seqlen_q/seqlen_k are the packed totals and
         # lo/hi hold the window without its per-sequence offset. Program p runs one entry of
-        # the tile list for one head (fmha.backends.triton.varlen.packed_tile): the tiles of one
+        # the tile list for one head (fmha.backends.triton.varlen.head_and_entry): the tiles of one
         # head run side by side and share its K/V in L2.
         seq, m_block, head = program_tile(Tiles, num_q_heads)
         if seq >= 0:

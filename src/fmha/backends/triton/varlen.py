@@ -8,7 +8,7 @@ outside it.
 
 Tiles (one block of rows of one sequence) are listed longest-first by
 :func:`varlen_schedule_kernel`, a one-program kernel run before the attention kernel, and the
-heads take the list one after the other, the last few together (:func:`packed_tile`), so that
+heads take the list one after the other, the last few together (:func:`head_and_entry`), so that
 the tiles of a head run side by side and share its K/V in L2 (docs/perf.md, "Varlen"). Under a causal mask a query
 block's cost grows with its index, so the list runs the deepest blocks of the longest sequences
 first and the cheap tiles fill the tail of the wave: one long sequence among many short ones is
@@ -32,18 +32,19 @@ def sequence_span(cu_seqlens, seq, total):
     return start, end - start
 
 
-# The last heads of a packed call that walk the tile list together (see packed_tile).
-PACKED_TAIL_HEADS: tl.constexpr = tl.constexpr(4)
+# The last heads of a launch that walk their tiles together (see head_and_entry).
+TAIL_HEADS: tl.constexpr = tl.constexpr(4)
 
 
 @triton.jit
-def packed_tile(tile, entries, num_heads):
-    """``(head, entry)`` of tile ``tile`` of a packed call whose tile list has ``entries`` entries
-    per head. The heads take the list one after the other, so that the tiles of one head run side
-    by side and share its K/V in L2, except the last PACKED_TAIL_HEADS heads, which walk it
-    together (entry 0 of each, then entry 1, ...): their deepest tiles then start with the others'
-    instead of alone at the end of the launch."""
-    tail_heads = tl.minimum(num_heads, PACKED_TAIL_HEADS)
+def head_and_entry(tile, entries, num_heads):
+    """``(head, entry)`` of tile ``tile`` of a launch of ``entries`` tiles for each of ``num_heads``
+    heads (a packed call's tile list, or a dense head's query or key blocks), each head's taken
+    longest first. The heads go one after the other, so that the tiles of one head run side by side
+    and share its K/V in L2, except the last TAIL_HEADS heads, which walk their entries together
+    (entry 0 of each, then entry 1, ...): their longest tiles then start with the others' instead of
+    alone at the end of the launch."""
+    tail_heads = tl.minimum(num_heads, TAIL_HEADS)
     tail_start = (num_heads - tail_heads) * entries
     within = tl.maximum(tile - tail_start, 0)
     head = tl.where(tile < tail_start, tile // entries, num_heads - tail_heads + within % tail_heads)
@@ -53,9 +54,9 @@ def packed_tile(tile, entries, num_heads):
 
 @triton.jit
 def program_tile(Tiles, num_heads):
-    """``(seq, block, head)`` of this program, the grid's p-th tile (:func:`packed_tile`; seq is
+    """``(seq, block, head)`` of this program, the grid's p-th tile (:func:`head_and_entry`; seq is
     -1 past the list's last tile)."""
-    head, entry = packed_tile(tl.program_id(0), tl.num_programs(0) // num_heads, num_heads)
+    head, entry = head_and_entry(tl.program_id(0), tl.num_programs(0) // num_heads, num_heads)
     return tl.load(Tiles + 2 * entry), tl.load(Tiles + 2 * entry + 1), head
 
 
