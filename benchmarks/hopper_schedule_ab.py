@@ -72,6 +72,7 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("plain D128 causal S2k", 8, 16, 2048, 128, True, {}),
          ("plain D64 causal S2k", 8, 32, 2048, 64, True, {}),
          ("plain D64 causal S8k", 2, 32, 8192, 64, True, {}),
+         ("plain D128 causal S8k", 2, 16, 8192, 128, True, {}),
          ("plain D64 S8k", 2, 32, 8192, 64, False, {})]
 
 

@@ -98,6 +98,16 @@ def test_hopper_packed_p_schedules_with_causal_alibi_gpu(name, head_dim, seqlen_
     check_features(q, k, v, name, True, config=fmha.HopperSchedule(**PACKED_P_SCHEDULES[head_dim]))
 
 
+# The shipped causal D = 64 schedules from 4k rows with softcap or ALiBi: tiles taken from a counter,
+# longest first, the last four (batch, head)s together (16 here).
+@pytest.mark.parametrize("name", ["softcap", "alibi_batched", "all"])
+def test_hopper_dynamic_packed_p_schedule_with_causal_features_gpu(name):
+    skip_off_hopper()
+    q, k, v = inputs(1500, 1700, 64, hash((name, "dynamic")) % 2**31, grad=True)
+    check_features(q, k, v, name, True, config=fmha.HopperSchedule(q_buffers=2, emulated_exp2=8, pack_p=True,
+                                                                    dynamic=True))
+
+
 # HopperSchedule.row_sum_mma: the row sums from the tensor cores, on the shipped D = 64 fields and with P packed at 128.
 ROW_SUM_MMA_SCHEDULES = {64: dict(q_buffers=2, emulated_exp2=8, row_sum_mma=True),
                          128: dict(q_buffers=2, pack_p=True, row_sum_mma=True)}
