@@ -414,7 +414,10 @@ def test_shipped_rules_follow_the_measurements():
     assert plan(1024, 128, causal=False) == HopperSchedule(persistent=True, q_buffers=2)
     assert plan(16384, 128, causal=False) == HopperSchedule(persistent=True)
     assert plan(1024, 128, causal=True) == HopperSchedule(persistent=True, q_buffers=2)
-    assert plan(16384, 128, causal=True) == HopperSchedule(persistent=False)
+    assert plan(16384, 128, causal=True) == HopperSchedule(persistent=True, q_buffers=2, dynamic=True)
+    q = torch.empty(1, dtype=torch.bfloat16).expand(1, 16, 16384, 128)  # with score features: one program per tile
+    assert schedules.shipped_schedule(attention_params("test", q, q, q, causal=True, sinks=torch.zeros(16)), "sm_90",
+                                      132)[0] == HopperSchedule(persistent=False)
     assert plan(1024, 64, causal=False) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8)
     three_consumers = HopperSchedule(persistent=True, consumers=3, q_buffers=2, row_sum_mma=True)
     assert plan(2048, 64, causal=False) == three_consumers
@@ -425,7 +428,7 @@ def test_shipped_rules_follow_the_measurements():
     assert plan(2048, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8,
                                                          pingpong=PINGPONG_ON)
     assert plan(4096, 64, causal=True) == HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8,
-                                                         pingpong=PINGPONG_ON)
+                                                         pingpong=PINGPONG_ON, dynamic=True)
     assert plan(8192, 64, causal=True) == HopperSchedule(persistent=True, consumers=3, q_buffers=2, dynamic=True,
                                                          row_sum_mma=True)
     # long causal calls with score features keep two consumers (three would hold P in float32)
@@ -449,12 +452,14 @@ def test_shipped_rules_follow_the_measurements():
     for head_dim, causal, features, expected in [
             (128, True, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2, pack_p=True)),
             (128, False, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2)),
-            (64, True, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
+            (64, True, dict(has_alibi=True), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True,
+                                                            dynamic=True)),
             (64, True, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2, pack_p=True,
                                                            pingpong=PINGPONG_OFF)),
             (64, False, dict(dropout_p=0.1), HopperSchedule(persistent=True, q_buffers=2, pack_p=True)),
             (64, False, dict(softcap=30.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
-            (64, True, dict(softcap=30.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True)),
+            (64, True, dict(softcap=30.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8, pack_p=True,
+                                                          dynamic=True)),
             (64, True, dict(softcap=60.0), HopperSchedule(persistent=True, q_buffers=2, emulated_exp2=8,
                                                           pingpong=PINGPONG_ON)),
             (128, True, dict(softcap=50.0), HopperSchedule(persistent=True, q_buffers=2, pack_p=True, emulated_exp2=8)),
