@@ -298,9 +298,8 @@ def attention_forward_kernel(
 ):
     if VARLEN:
         # Packed sequences: Q is (1, Hq, total_q, D), seqlen_q/seqlen_k are the packed totals and
-        # lo/hi hold the window without its per-sequence offset. Program p runs one entry of
-        # the tile list for one head (fmha.backends.triton.varlen.head_and_entry): the tiles of one
-        # head run side by side and share its K/V in L2.
+        # lo/hi hold the window without its per-sequence offset. Program p runs one entry of the
+        # tile list for one head (fmha.backends.triton.varlen.head_and_entry).
         seq, m_block, head = program_tile(Tiles, num_q_heads)
         if seq >= 0:
             q_start, seqlen_q_seq, k_start, seqlen_k_seq = packed_spans(CuSeqlensQ, CuSeqlensK, seq, seqlen_q,

@@ -9,11 +9,11 @@ outside it.
 Tiles (one block of rows of one sequence) are listed longest-first by
 :func:`varlen_schedule_kernel`, a one-program kernel run before the attention kernel, and the
 heads take the list one after the other, the last few together (:func:`head_and_entry`), so that
-the tiles of a head run side by side and share its K/V in L2 (docs/perf.md, "Varlen"). Under a causal mask a query
-block's cost grows with its index, so the list runs the deepest blocks of the longest sequences
-first and the cheap tiles fill the tail of the wave: one long sequence among many short ones is
-not left running alone at the end. The key-resident backward kernel lists
-its blocks from the sequence's end (``FROM_END``), where a key block sees the most queries.
+the tiles of a head run side by side and share its K/V in L2 (docs/perf.md, "Varlen"). Under a
+causal mask a query block's cost grows with its index, so the list runs the deepest blocks of the
+longest sequences first and the cheap tiles fill the tail of the wave: one long sequence among
+many short ones is not left running alone at the end. The key-resident backward kernel lists its
+blocks from the sequence's end (``FROM_END``), where a key block sees the most queries.
 """
 
 import triton
