@@ -25,7 +25,13 @@ CASES = [("D64 S16k causal", 1, 32, 16384, 64, True, None),
          ("D128 S4k causal", 4, 16, 4096, 128, True, None),
          ("D64 S4k causal", 4, 32, 4096, 64, True, None),
          ("D128 S16k", 1, 16, 16384, 128, False, None),
-         ("window 1024", 1, 16, 16384, 128, True, 1023)]
+         ("D64 S16k", 1, 32, 16384, 64, False, None),
+         ("D128 S4k", 4, 16, 4096, 128, False, None),
+         ("window 1024", 1, 16, 16384, 128, True, 1023),
+         ("window 4096", 1, 16, 16384, 128, True, 4095),
+         ("window 1024 B4 S4k", 4, 16, 4096, 128, True, 1023),
+         ("window 1024 D64", 1, 32, 16384, 64, True, 1023),
+         ("window 256 B4 S4k", 4, 16, 4096, 128, True, 255)]
 
 
 def main():

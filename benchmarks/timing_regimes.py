@@ -12,7 +12,7 @@ calls. This script runs both on the same prepared call, and in between:
 
     PYTHONPATH=src python benchmarks/timing_regimes.py out.json [--training]
 
-``--training`` times forward+backward on four `std` shapes instead (every kernel of the step).
+``--training`` times forward+backward on the `std` shapes at S = 4k and 16k instead (every kernel of the step).
 """
 
 import json
@@ -84,8 +84,8 @@ def regimes(fn) -> dict:
 def main():
     out_path = sys.argv[1]
     if "--training" in sys.argv[2:]:
-        cases = [Case(4, heads, heads, 4096, 4096, head_dim, causal=causal, mode="fwdbwd")
-                 for heads, head_dim in ((32, 64), (16, 128)) for causal in (False, True)]
+        cases = [Case(batch, 2048 // head_dim, 2048 // head_dim, seqlen, seqlen, head_dim, causal=causal, mode="fwdbwd")
+                 for batch, seqlen in ((4, 4096), (1, 16384)) for head_dim in (64, 128) for causal in (False, True)]
     else:
         cases = [case for case in features() if not case.scores_modified]
         cases += [Case(4, 32, 32, 4096, 4096, 64, causal=False), Case(4, 16, 16, 4096, 4096, 128, causal=True)]
