@@ -19,10 +19,14 @@ def spills_in_product_loops(sass: str, unmasked_only: bool = False) -> int:
 
     lines = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     loops = []
-    for address, text in lines:
-        branch = re.search(r"BRA (0x[0-9a-f]+)", text)
+    for index, (address, text) in enumerate(lines):
+        branch = re.search(r"BRA (0x[0-9a-f]+)", text) if "BRA" in text else None
         if branch and int(branch.group(1), 16) < address:
-            body = [t for a, t in lines if int(branch.group(1), 16) <= a <= address]
+            start = int(branch.group(1), 16)
+            first = index  # the listing runs in address order: walk back to the branch's target
+            while first > 0 and lines[first - 1][0] >= start:
+                first -= 1
+            body = [t for _, t in lines[first:index + 1]]
             if any("HGMMA" in t for t in body) and not (unmasked_only and any(t.startswith("FSEL") for t in body)):
                 loops.append((int(branch.group(1), 16), address, body))
     innermost = [body for start, end, body in loops

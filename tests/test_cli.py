@@ -63,7 +63,8 @@ def test_shape_replaces_the_default_suites_unless_suite_is_given():
         assert parse_args([command, "--suite"]).suite == []
 
 
-def test_tune_with_a_shape_tunes_that_key_only(capsys):
+def test_tune_with_a_shape_tunes_that_key_only(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # pytest-xdist's workers set it to 80: rich would wrap
     assert main(["tune", "--dry-run", "--shape", "2,32,8,4096,4096,128,causal"]) == 0
     keys = [line for line in capsys.readouterr().out.splitlines() if "candidates," in line]
     assert len(keys) == 1 and keys[0].startswith("fwd|bfloat16|d128|causal|g4|q4096|k4096")
