@@ -7,7 +7,9 @@ set -o pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 out=${1:-/dev/stdout}
 shards=${SHARDS:-6}
-work=$(mktemp -d)
+# WORK (optional): where the test ids and shard logs go, so that a run cut off by a time limit leaves them
+work=${WORK:-$(mktemp -d)}
+mkdir -p "$work"
 python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${2:-tests/} | grep '::' | grep -E "${FILTER:-.}" > "$work/all"
 # PART=i/n runs the i-th of n equal slices of the tests (i from 1): long grids in calls that fit a time limit.
 if [ -n "$PART" ]; then
