@@ -5,6 +5,7 @@ without padding, greedy decoding over a DynamicCache and a StaticCache, gradient
 fmha's entry points (or the SDPA fallback) each mask takes.
 """
 
+import inspect
 from collections import Counter
 
 import pytest
@@ -103,16 +104,22 @@ def test_greedy_decoding_matches_sdpa(model, calls, cache, padding):
         assert calls["flash_attn_with_kvcache"] == 4 * model.config.num_hidden_layers
 
 
+def cache_argument(model) -> str:
+    """The forward's name for the cache: ``cache`` from transformers 5.24 (``past_key_values`` still
+    works there, with a deprecation warning), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def test_chunked_prefill_over_a_dynamic_cache(model, calls):
     """A second chunk of queries over cached keys (Sq < Sk), with left padding."""
     ids, mask = inputs("left")
     results = {}
     for implementation in ("sdpa", "fmha"):
         model.set_attn_implementation(implementation)
-        cache = transformers.DynamicCache(config=model.config)
+        cache = {cache_argument(model): transformers.DynamicCache(config=model.config)}
         with torch.no_grad():
-            model(ids[:, :7], attention_mask=mask[:, :7], past_key_values=cache)
-            results[implementation] = model(ids[:, 7:], attention_mask=mask, past_key_values=cache).logits
+            model(ids[:, :7], attention_mask=mask[:, :7], **cache)
+            results[implementation] = model(ids[:, 7:], attention_mask=mask, **cache).logits
     torch.testing.assert_close(results["fmha"], results["sdpa"], atol=2e-5, rtol=0)
     assert calls["_sdpa"] == 0
 
