@@ -71,7 +71,7 @@ def _worker_registers(consumers):
 
 
 # Causal heads of up to this many key blocks (8,192 keys) go in head groups; longer heads keep
-# their own order (docs/perf.md, session 21).
+# their own order (docs/perf.md, "dQ's product issued behind dK and dV").
 GROUPED_BLOCKS: gl.constexpr = gl.constexpr(64)
 
 

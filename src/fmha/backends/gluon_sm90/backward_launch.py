@@ -88,12 +88,12 @@ class HopperBackwardSchedule:
 
 
 def default_backward_schedule(head_dim: int) -> HopperBackwardSchedule:
-    """On the H100 (docs/perf.md, sessions 7, 10 and 13): at D = 64 tiles taken one at a time
+    """On the H100 (docs/perf.md, "The Hopper backward" and the sections after it): at D = 64 tiles taken one at a time
     (1.02-1.07x), dQ stored late (1.02-1.05x) and K and V in registers (1.03-1.08x); at D = 128 one
     program per key block (shared memory holds one K/V block, so the next tile's cannot load early;
     dynamic tiles lose 4-11% on causal, window and packed cases), the LSE read early
     (1.01-1.03x; at D = 64 it loses 1-3%) and, without a causal mask or window, dQ's product issued
-    early (1.05x); causal heads of up to 8k keys in groups of four (1.02-1.03x at 4k-8k; session 21)."""
+    early (1.05x); causal heads of up to 8k keys in groups of four (1.02-1.03x at 4k-8k)."""
     if head_dim <= 64:
         return HopperBackwardSchedule(dynamic=True, dq_late=True, kv_registers=True, head_group=4)
     return HopperBackwardSchedule(lse_early=True, dq_early=True, head_group=4)

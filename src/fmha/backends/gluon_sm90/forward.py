@@ -593,7 +593,7 @@ def _softmax_first_block(scores, row_sum, rows, keys0, key_start, seqlen_k, lo, 
                          ROW_SUM_MMA: gl.constexpr):
     """The first block of a tile: nothing to rescale yet. A masked one checks both sides of a window:
     a third build of this step for a window's left edge alone (one compare less per score) made the
-    kernel larger and no faster (docs/perf.md, session 17)."""
+    kernel larger and no faster (docs/perf.md, "One masked build of the first block instead of two")."""
     row_max = _initial_max(mods, scores.shape[0], gl.SliceLayout(1, scores.type.layout), SOFTCAP)
     if masked:
         probs, rescale, row_max, row_sum = _softmax_block(

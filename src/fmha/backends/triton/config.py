@@ -72,8 +72,8 @@ def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
     makes two chunks on nearly half the GPU, one chunk of 32 KB blocks), and a grid of at most two
     programs per multiprocessor reads three blocks deep. A call that needs neither the chunks (its
     KV heads fill the GPU) nor the packing (one query head per KV head) keeps the per-tile forward.
-    (H100, K and V from DRAM: B1 Hq/Hkv 32/8 Sk4096 11.5 us against 13.1 under the earlier rule of
-    two programs per multiprocessor; docs/perf.md, session 30.)
+    (H100, K and V from DRAM: B1 Hq/Hkv 32/8 Sk4096 11.5 us against 13.1 with two programs per
+    multiprocessor; docs/perf.md, "The split-KV forward's plan".)
     """
     packed_rows = params.group * params.seqlen_q
     if packed_rows > 64 or params.seqlen_k == 0:
@@ -88,7 +88,7 @@ def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
     if splits == 2 and 16 * programs >= 7 * multiprocessors and not interpreted:
         # Programs on nearly half the GPU stream one chunk each in blocks twice as long, with no
         # combine kernel (H100: 64 programs, B8 Hq/Hkv 32/8 Sk2048, 26.3 us against 27.6 with two
-        # chunks; 48 programs, B6 Sk4096, lose: 44.6 against 39.5; docs/perf.md, session 30).
+        # chunks; 48 programs, B6 Sk4096, lose: 44.6 against 39.5; docs/perf.md, "The split-KV forward's plan").
         splits, block_n = 1, 2 * block_n
     stages = 3 if programs * splits <= 2 * multiprocessors else 2
     return SplitKVConfig(max(16, triton.next_power_of_2(packed_rows)), block_n, 4, splits, num_stages=stages)
@@ -118,7 +118,7 @@ class KVCacheConfig:
 # 1k-8k: 6 chunks of 1408 keys were best of 1-16 for contiguous, page-256 and page-16 caches).
 KVCACHE_CHUNK_KEYS = 1536
 # A grid under one program per multiprocessor is cut into chunks up to that count, and chunks of
-# at most this many keys, each at least KVCACHE_MIN_CHUNK_BLOCKS key blocks (docs/perf.md, session 22).
+# at most this many keys, each at least KVCACHE_MIN_CHUNK_BLOCKS key blocks (docs/perf.md, "chunk counts by grid").
 KVCACHE_SMALL_GRID_CHUNK_KEYS = 4096
 KVCACHE_MIN_CHUNK_BLOCKS = 4
 
@@ -149,7 +149,7 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     instead of two (H100: B1 and B8 decode 5-15% faster), and one chunk per tile on at most half the
     multiprocessors streams 128-key blocks (more bytes in flight: B8 Sk2048 26.7 us, 64-key blocks
     35.1; B16 Sk4096 92.5 against 89.8). Small grids of decode tiles that do not append walk each
-    tile's keys in one masked loop (``one_range``; docs/perf.md, session 19).
+    tile's keys in one masked loop (``one_range``; docs/perf.md, "one key loop and a pipelined merge").
     """
     block_d = padded_head_dim(params.head_dim)
     packed_rows = params.group * params.seqlen_q
@@ -181,8 +181,8 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     # and appends (a masked block also reads the new rows) keep the unmasked middle apart.
     one_range = small_grid and block_m < 128 and params.new_keys == 0
     # Those tiles, one chunk each, read a contiguous 16-bit cache with bulk copies: a program keeps
-    # more bytes in flight than with pointer loads (H100, B8 Sk2048: docs/perf.md, session 26).
-    # Chunked tiles (B1) were slower with them.
+    # more bytes in flight than with pointer loads; chunked tiles (B1) were slower with them (H100,
+    # docs/perf.md, "Small decode: bulk copies that read only the sequence").
     tma = (one_range and splits == 1 and params.page_size == 0 and not params.varlen
            and block_d == params.head_dim and params.dtype != torch.float32)
     return KVCacheConfig(block_m, block_n, num_warps, num_stages, splits, one_range, tma)
