@@ -18,8 +18,8 @@ Same math as :mod:`fmha.backends.triton.backward` (P recomputed from Q, K and th
   bank conflicts, and the bulk copy engine adds the tile from there into an fp32 buffer (a TMA
   reduce-add); with DQ_LATE the tile is stored once the next step's first products are issued,
   and with DQ_EARLY (head dim 128) the dQ product is issued behind dK's, before waiting for dK and dV.
-  The order of the adds varies run to run: ``deterministic=True`` runs the portable dQ kernel
-  instead (:mod:`fmha.backends.gluon_sm90.backward_launch`).
+  The order of the adds varies run to run: with ``deterministic=True`` this backend refuses the
+  call and the portable backward, which has no atomics, runs instead.
 
 The row statistics come from a preparation kernel (:mod:`fmha.backends.triton.backward_rows`):
 delta and the LSE in log2 units, padded to whole query blocks (padded rows have LSE +inf, so P = 0
