@@ -15,7 +15,7 @@ from fmha import ops
 from fmha.backends.gluon_sm90.backend import attn_mask_refusal
 from fmha.backends.triton.config import SplitKVConfig
 from fmha.backends.triton.launch import dropout_keep_mask, dropout_threshold, kernel_dropout_p
-from fmha.backends.triton.scores import PHILOX_ROUNDS, dropout_keep
+from fmha.backends.triton.scores import PHILOX_ROUNDS, dropout_keep, exact_tanh
 from fmha.masking import Window
 from fmha.reference import dense_attention
 
@@ -112,6 +112,38 @@ def test_huge_sinks_take_all_the_mass_without_overflow():
     out, lse = fmha.attention(q, k, v, sinks=torch.tensor([200.0, float("-inf")]), return_lse=True)
     assert out[:, 0].abs().max() < 1e-30 and torch.allclose(lse[:, 0], torch.full_like(lse[:, 0], 200.0))
     torch.testing.assert_close(out[:, 1], fmha.attention(q, k, v)[:, 1])
+
+
+@triton.jit
+def _tanh_of(X, Y, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(Y + offsets, exact_tanh(tl.load(X + offsets)))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2")
+def test_exact_tanh_has_a_relative_error_below_float32_epsilon():
+    # 1 - 2 / (exp(2x) + 1) alone gives 0 for |x| < 2^-25 and loses all but a few bits below 0.01.
+    magnitudes = torch.cat([torch.logspace(-30, 1.5, 3000, base=2.0), torch.linspace(0.8, 1.0, 1000),
+                            torch.tensor([100.0, 1e30])])
+    x = torch.cat([magnitudes, -magnitudes, torch.zeros(1)])
+    x = torch.cat([x, torch.zeros(8192 - x.numel())]).float()
+    y = torch.full_like(x, float("nan"))
+    _tanh_of[(1,)](x, y, N=8192)
+    expected = torch.tanh(x.double())
+    relative = (y.double() - expected).abs() / expected.abs().clamp_min(2.0 ** -126) / torch.finfo(torch.float32).eps
+    assert not y.isnan().any() and relative.max() <= 1.0, \
+        f"{relative.max():.2f} eps at x = {x[relative.argmax()].item():.3g}"
+
+
+@pytest.mark.parametrize("softcap", [30.0, 50.0])
+def test_float32_scores_under_a_large_softcap_match_float64(softcap):
+    # Gemma 2's caps leave s / softcap small, where a cancelling tanh was 10x torch's error.
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 4, 2, 33, 45, 40, torch.float32))
+    out = fmha.attention(q, k, v, causal=True, softcap=softcap)
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), causal_offset=12, softcap=softcap)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_grads_close(grads, q.detach(), k.detach(), v.detach(), dout, causal_offset=12, softcap=softcap)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp2")  # the interpreter's exp2 -> inf: tanh -> 1
