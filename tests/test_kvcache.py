@@ -214,6 +214,17 @@ def test_only_the_appended_rows_change():
     assert torch.equal(changed, expected)
 
 
+@pytest.mark.parametrize("num_splits", [0, 3])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_a_call_without_query_rows_still_appends(page_size, num_splits):
+    """Sq = 0: empty outputs, and the new keys are still written (check holds the caches to the
+    append); no queries and nothing to append, or no sequences, launch nothing."""
+    out, lse = check(kvcache_case(seqlen_q=0, new_keys=2, page_size=page_size), num_splits=num_splits)
+    assert out.shape == (3, 0, 4, 32) and lse.shape == (3, 4, 0)
+    check(kvcache_case(seqlen_q=0, new_keys=0, page_size=page_size), num_splits=num_splits)
+    check(kvcache_case(batch=0, new_keys=1, page_size=page_size), num_splits=num_splits)
+
+
 def test_int_and_absent_cache_seqlens():
     case = kvcache_case(new_keys=2, lengths=[20, 20, 20])
     int_case = {**case, "cache_seqlens": 20, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}

@@ -42,6 +42,12 @@ def test_matches_float64_per_sequence(lengths, page_size, dtype):
     check(case(lengths, page_size=page_size, dtype=dtype), causal=lengths != "decode")
 
 
+@pytest.mark.parametrize("lengths_q, lengths_k", [([0], [30]), ([0, 0], [0, 7])], ids=["keys", "empty"])
+def test_no_query_tokens(lengths_q, lengths_k):
+    out, lse = check(random_paged_varlen(lengths_q, lengths_k, 4, 2, 32, 16, dtype=torch.float16))
+    assert out.shape == (0, 4, 32) and lse.shape == (4, 0)
+
+
 @pytest.mark.parametrize("window_size, causal", [((5, 0), False), ((3, 2), False), ((-1, -1), True), ((4, -1), True)],
                          ids=str)
 def test_windows_follow_each_sequences_lengths(window_size, causal):

@@ -166,7 +166,7 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
             # 181 -> 262 TFLOP/s; docs/perf.md).
             block_m, block_n, num_warps = 128, 128, 8
     key_blocks = max(1, -(-params.capacity // block_n))
-    programs = params.batch * params.kv_heads * -(-packed_rows // block_m)
+    programs = max(1, params.batch * params.kv_heads * -(-packed_rows // block_m))  # no rows: one program
     if params.num_splits > 0:
         splits = params.num_splits
     else:

@@ -101,8 +101,8 @@ class KVCacheForward:
             self.lse_shape = (p.batch, p.q_heads, p.seqlen_q)
         self.partial_out_shape = (self.splits, num_rows, p.head_dim)
         self.partial_lse_shape = (self.splits, num_rows)
-        # No query rows: nothing to attend, and the append is skipped with them (a launch needs a program).
-        self.skip = p.device.type == "meta" or num_rows == 0 or p.batch == 0
+        # No query rows: nothing to attend; a call that appends still launches, to write the new keys.
+        self.skip = p.device.type == "meta" or p.batch == 0 or (num_rows == 0 and p.new_keys == 0)
         self.device_index = p.device.index if p.device.type == "cuda" else None
 
         block_d = padded_head_dim(p.head_dim)
