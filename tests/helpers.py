@@ -28,7 +28,7 @@ def spills_in_product_loops(sass: str, unmasked_only: bool = False) -> int:
                 first -= 1
             body = [t for _, t in lines[first:index + 1]]
             if any("HGMMA" in t for t in body) and not (unmasked_only and any(t.startswith("FSEL") for t in body)):
-                loops.append((int(branch.group(1), 16), address, body))
+                loops.append((start, address, body))
     innermost = [body for start, end, body in loops
                  if not any(start <= s and e <= end and (s, e) != (start, end) for s, e, _ in loops)]
     return sum(t.startswith(("STL", "LDL")) for body in innermost for t in body)
