@@ -82,3 +82,18 @@ def test_backward_allocates_no_score_matrix():
     row_bytes = 3 * (seqlen + 128) * 4 + q.numel() * 4
     assert extra <= gradient_bytes + row_bytes + (1 << 20), f"{extra} bytes; the gradients need {gradient_bytes}"
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("head_dim, deterministic", [(64, False), (64, True), (96, False)],
+                         ids=["hopper_backward", "deterministic", "portable"])
+def test_more_batch_heads_than_a_grid_axis_holds(head_dim, deterministic):
+    """B·H = 65,600: past the 65,535 that a CUDA grid's second axis holds. The backward's kernels
+    and passes over rows put every block of every (batch, head) on one axis."""
+    generator = torch.Generator(device="cuda").manual_seed(head_dim)
+    q, k, v = (t.requires_grad_() for t in random_qkv(4100, 16, 16, 32, 32, head_dim, torch.bfloat16, device="cuda",
+                                                        generator=generator))
+    out = fmha.attention(q, k, v, causal=True, deterministic=deterministic)
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=generator)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    keep = torch.cat([torch.arange(0, 8), torch.arange(4092, 4100)]).cuda()  # the first and last batches
+    assert_grads_close([g[keep] for g in grads], q[keep], k[keep], v[keep], dout[keep], causal_offset=0)

@@ -231,6 +231,22 @@ def test_split_kv_decode_gpu(dtype, shape, causal):
                               atol=1e-5)
 
 
+def test_more_batch_heads_than_a_grid_axis_holds():
+    """B·Hkv = 65,600 in a split-KV decode and B·H = 65,600 in the naive kernels: past the 65,535
+    that a CUDA grid's second and third axes hold; (batch, head) pairs take the first axis."""
+    from fmha.backends.triton.config import SplitKVConfig
+
+    q, k, v = random_qkv(16400, 16, 4, 1, 64, 80, torch.bfloat16, device="cuda")
+    assert isinstance(fmha.explain(q, k, v).config, SplitKVConfig)
+    keep = torch.cat([torch.arange(0, 8), torch.arange(16392, 16400)]).cuda()  # the first and last batches
+    out = fmha.attention(q, k, v)
+    assert_close_to_reference(out[keep], q[keep], k[keep], v[keep])
+    q, k, v = random_qkv(4100, 16, 16, 16, 16, 64, torch.bfloat16, device="cuda")
+    out = fmha.naive_attention(q, k, v, causal=True)
+    assert_close_to_reference(out[:8], q[:8], k[:8], v[:8], causal_offset=0)
+    assert_close_to_reference(out[-8:], q[-8:], k[-8:], v[-8:], causal_offset=0)
+
+
 @pytest.mark.parametrize("features", [{}, {"softcap": 20.0}, {"dropout_p": 0.2}], ids=lambda f: "-".join(f) or "plain")
 @pytest.mark.parametrize("schedule", [{"persistent": True}, {"persistent": True, "dynamic": True, "q_buffers": 2}],
                          ids=["persistent", "dynamic"])

@@ -20,24 +20,40 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fmha.backends.triton.config import kvcache_config
 from fmha.backends.triton.kvcache import kvcache_attention_kernel
 from fmha.backends.triton.kvcache_launch import KVCacheForward, _rows_view
-from fmha.kvcache_params import kvcache_params
+from fmha.kvcache_params import kvcache_params, paged_varlen_params
 
 report = {}
-for name, (batch, capacity) in json.loads(sys.argv[1]):
-    q = torch.empty(batch, 1, 32, 128, dtype=torch.bfloat16, device="meta")
-    cache = torch.empty(batch, capacity, 8, 128, dtype=torch.bfloat16, device="meta")
-    seqlens = torch.full((batch,), capacity, dtype=torch.int32, device="meta")
-    params = kvcache_params("build", q, cache, cache, None, None, None, None, seqlens, None, None, None, None,
-                            False, (-1, -1), 0.0, False, None, 0)
+for name, spec in json.loads(sys.argv[1]):
+    # spec: [batch, capacity] of a bf16 Hq/Hkv 32/8 D128 decode, or a dict: a paged varlen call
+    # (flash_attn_varlen_func with block_table) of max_seqlen_q queries over pages of page_size.
+    if isinstance(spec, list):
+        batch, capacity = spec
+        q = torch.empty(batch, 1, 32, 128, dtype=torch.bfloat16, device="meta")
+        cache = torch.empty(batch, capacity, 8, 128, dtype=torch.bfloat16, device="meta")
+        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device="meta")
+        params = kvcache_params("build", q, cache, cache, None, None, None, None, seqlens, None, None, None, None,
+                                False, (-1, -1), 0.0, False, None, 0)
+        table = None
+    else:
+        dtype, batch, head_dim = getattr(torch, spec["dtype"]), spec["batch"], spec["head_dim"]
+        q = torch.empty(batch * spec["max_seqlen_q"], spec["q_heads"], head_dim, dtype=dtype, device="meta")
+        pages = batch * spec["blocks"]
+        cache = torch.empty(pages, spec["page_size"], spec["kv_heads"], head_dim, dtype=dtype, device="meta")
+        table = torch.empty(batch, spec["blocks"], dtype=torch.int32, device="meta")
+        cu_seqlens = torch.empty(batch + 1, dtype=torch.int32, device="meta")
+        params = paged_varlen_params("build", q, cache, cache, cu_seqlens, cu_seqlens, spec["max_seqlen_q"], table,
+                                     None, spec["causal"], (-1, -1), 0.0, None)
     config = kvcache_config(params, 132)
     forward = KVCacheForward(params, config)
-    forward._prepare(q, cache, cache, None, None, None, None, None, None, None)
+    forward._prepare(q, cache, cache, None, None, None, None, table, None, None)
     launch = forward.attend_launch
     split = forward.splits > 1
     present = {"Q", "KCache", "VCache", "Out", "Lse", "CacheSeqlens"} | (
-        {"PartialOut", "PartialLse", "Arrivals"} if split else set())
+        {"PartialOut", "PartialLse", "Arrivals"} if split else set()) | (
+        {"BlockTable", "CuSeqlensQ"} if table is not None else set())
+    element = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[q.dtype]
     pointer_types = {"CacheSeqlens": "*i32", "Arrivals": "*i32", "Lse": "*fp32", "PartialOut": "*fp32",
-                     "PartialLse": "*fp32"}
+                     "PartialLse": "*fp32", "BlockTable": "*i32", "CuSeqlensQ": "*i32"}
     names = kvcache_attention_kernel.arg_names
     per_call = len(names) - len(launch.fixed) - len(launch.constants)
     values = dict(zip(names[per_call:], (*launch.fixed, *launch.constants.values())))
@@ -52,7 +68,7 @@ for name, (batch, capacity) in json.loads(sys.argv[1]):
                 signature[arg], constants[arg] = "constexpr", None
         elif index < per_call and arg != "cache_seqlen":
             if arg in present:
-                signature[arg] = pointer_types.get(arg, "*bf16")
+                signature[arg] = pointer_types.get(arg, element)
                 attrs[(index,)] = [["tt.divisibility", 16]]
             else:
                 signature[arg], constants[arg] = "constexpr", None
@@ -73,7 +89,8 @@ for name, (batch, capacity) in json.loads(sys.argv[1]):
         handle.write(compiled.asm["cubin"])
         handle.flush()
         sass = subprocess.check_output([path_to_cuobjdump(), "-sass", handle.name], text=True)
-    report[name] = {"tma": launch.constants["TMA"], "splits": forward.splits, "block_n": config.block_n,
+    report[name] = {"tma": launch.constants["TMA"], "splits": forward.splits, "block_m": config.block_m,
+                    "block_n": config.block_n, "stages": config.num_stages,
                     "bulk_loads": sass.count("UTMALDG"), "global_loads": sass.count("LDG")}
 print(json.dumps(report))
 """
@@ -90,3 +107,17 @@ def test_small_decode_builds_read_the_cache_with_bulk_copies_for_sm90():
     assert small["bulk_loads"] >= 2 and small["global_loads"] > 0
     for build in (chunked, full):
         assert not build["tma"] and build["splits"] > 1 and build["bulk_loads"] == 0
+
+
+def _paged_prefill(page_size, causal):
+    return dict(dtype="float16", batch=2, max_seqlen_q=300, q_heads=8, kv_heads=2, head_dim=32,
+                page_size=page_size, blocks=-(-700 // page_size), causal=causal)
+
+
+def test_paged_prefill_tiles_at_head_dim_32_build_for_sm90():
+    """128-row tiles of fp16 queries over paged caches at D = 32: with three stages, the ptxas of
+    Triton 3.6 crashed building them (a random call on the H100); the plan takes two."""
+    plans = [(f"page {page_size}{' causal' if causal else ''}", _paged_prefill(page_size, causal))
+             for page_size, causal in ((16, False), (16, True), (1, False))]
+    for build in build_report(_BUILD_SCRIPT, plans).values():
+        assert build["block_m"] == 128 and build["stages"] == 2 and build["global_loads"] > 0

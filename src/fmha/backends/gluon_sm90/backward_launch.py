@@ -224,7 +224,7 @@ class HopperBackward:
             self.grid = min(num_tiles, multiprocessors(params.device))
         self.padded_q = -(-self.seqlen_q // 128) * 128
         self.row_launches = _row_launches(params.head_dim)
-        self.rows_grid = (self.padded_q // ROWS_BLOCK, self.batch * params.q_heads)
+        self.rows_grid = (self.padded_q // ROWS_BLOCK * self.batch * params.q_heads,)
         threshold, dropout_factor = features.dropout_scalars(params.options)
         self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, self.seqlen_q,
                          seqlen_k, lo, hi, num_tiles, threshold, params.options.scale,
@@ -265,5 +265,5 @@ class HopperBackward:
         run_compiled(self.compiled, self.grid, self.device,
                      (*descriptors, *row_stats, alibi, rng_state, *sequences, dk, dv, lse2, delta, counter, mask,
                       *packed_strides, stride_ab, stride_ah, *mask_strides, *self.integers))
-        launches.finish_dq((-(-seqlen_q // ROWS_BLOCK), batch * p.q_heads), q.device, dq_accum, dq, *dq.stride(),
+        launches.finish_dq((-(-seqlen_q // ROWS_BLOCK) * batch * p.q_heads,), q.device, dq_accum, dq, *dq.stride(),
                            p.q_heads, seqlen_q, self.padded_q, p.options.scale)

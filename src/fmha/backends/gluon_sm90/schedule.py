@@ -77,7 +77,9 @@ class HopperSchedule:
     words are cleared as the block ends, or with ``row_sum_mma`` where P·V takes them);
     ``row_sum_mma``: each block's row sums come from the tensor cores, P times a column of ones
     beside P·V, instead of a sum over the block's probabilities on the FMA units (with dropout that
-    product takes P before the keep masks, since the sum counts the dropped probabilities).
+    product takes P before the keep masks, since the sum counts the dropped probabilities); the
+    sums, and so the LSE, then count P rounded to 16 bits (up to 2^-8 of a row's sum where it has
+    few keys).
     """
 
     backend: ClassVar[str] = "gluon_sm90"

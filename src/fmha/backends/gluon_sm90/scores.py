@@ -176,6 +176,8 @@ def alibi_form(alibi, softcap, dtype):
 # probability is a normal float32 and bf16 (whose range is float32's), row sums and P·V stay far
 # inside the range, and no row max, rescale factor or accumulator rescale is computed: the tanh and
 # the exp2 of one score follow each other with no reduction between them. fp16's range is too short.
+# No probability is then exactly 1, so a row that sees one key gets that key's value times P's bf16
+# rounding over P (within 2^-8 of it) where a running max gives the value exactly.
 SOFTCAP_OFF: gl.constexpr = gl.constexpr(0)
 SOFTCAP_RUNNING: gl.constexpr = gl.constexpr(1)
 SOFTCAP_BOUNDED: gl.constexpr = gl.constexpr(2)

@@ -31,9 +31,9 @@ def scores_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    n_block = tl.program_id(1)
-    batch_head = tl.program_id(2)
+    batch_head = tl.program_id(0)  # B·H on the first axis: the others stop at 65,535
+    m_block = tl.program_id(1)
+    n_block = tl.program_id(2)
     batch = batch_head // num_q_heads
     kv_head = (batch_head % num_q_heads) // group_size
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -93,8 +93,8 @@ def pv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    batch_head = tl.program_id(0)
+    m_block = tl.program_id(1)
     batch = batch_head // num_q_heads
     head = batch_head % num_q_heads
     kv_head = head // group_size

@@ -32,7 +32,7 @@ def launch_naive(q, k, v, out, lse, params: AttentionParams) -> list:
     probs = torch.empty((batch, num_q_heads, seqlen_q, seqlen_k), device=q.device, dtype=q.dtype)
     inv_row_sum = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
     precision = dot_precision(q.dtype)
-    compiled = [scores_kernel[(triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block), batch * num_q_heads)](
+    compiled = [scores_kernel[(batch * num_q_heads, triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block))](
         q, k, scores, *q.stride(), *k.stride(),
         num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, params.options.scale,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block,
@@ -43,7 +43,7 @@ def launch_naive(q, k, v, out, lse, params: AttentionParams) -> list:
         scores, probs, inv_row_sum, lse, seqlen_k, BLOCK_N=softmax_block,
         num_warps=4 if softmax_block >= 512 else 1, **COMPILE_OPTIONS,
     ))
-    compiled.append(pv_kernel[(triton.cdiv(seqlen_q, block), batch * num_q_heads)](
+    compiled.append(pv_kernel[(batch * num_q_heads, triton.cdiv(seqlen_q, block))](
         probs, v, inv_row_sum, out, *v.stride(), *out.stride(),
         num_q_heads, group_size, seqlen_q, seqlen_k,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=precision, **COMPILE_OPTIONS,

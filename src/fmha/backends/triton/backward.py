@@ -27,7 +27,7 @@ equals rowsum(P ∘ dP).
 import triton
 import triton.language as tl
 
-from .common import load_rows
+from .common import block_and_batch_head, load_rows
 from .masking import key_blocks, query_blocks, visible
 from .scores import NO_MASK, dropout_keep, score_mods, score_tile
 from .varlen import program_block
@@ -43,8 +43,7 @@ def backward_preprocess_kernel(
     num_q_heads, seqlen_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    m_block, batch_head = block_and_batch_head(tl.cdiv(seqlen_q, BLOCK_M))
     batch = batch_head // num_q_heads
     head = batch_head % num_q_heads
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -167,7 +166,7 @@ def backward_dkdv_kernel(
     total_q = seqlen_q  # the dropout counters' row numbering (packed: the total)
     # One key block of one KV head (packed sequences: an entry of the key-block list).
     past_end, n_block, batch, kv_head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
-        Tiles, CuSeqlensQ, CuSeqlensK, num_kv_heads, seqlen_q, seqlen_k, lo, hi, VARLEN)
+        Tiles, CuSeqlensQ, CuSeqlensK, num_kv_heads, seqlen_q, seqlen_k, lo, hi, tl.cdiv(seqlen_k, BLOCK_N), VARLEN)
     if past_end:
         return
     q_start = tl.cast(q_start, tl.int64)
@@ -284,7 +283,7 @@ def backward_dq_kernel(
 ):
     total_q = seqlen_q  # the dropout counters' row numbering (packed: the total)
     past_end, m_block, batch, head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
-        Tiles, CuSeqlensQ, CuSeqlensK, num_q_heads, seqlen_q, seqlen_k, lo, hi, VARLEN)
+        Tiles, CuSeqlensQ, CuSeqlensK, num_q_heads, seqlen_q, seqlen_k, lo, hi, tl.cdiv(seqlen_q, BLOCK_N), VARLEN)
     if past_end:
         return
     q_start = tl.cast(q_start, tl.int64)

@@ -14,6 +14,8 @@ the backward's last dQ sums first.
 import triton
 import triton.language as tl
 
+from .common import block_and_batch_head
+
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
@@ -27,10 +29,11 @@ def backward_rows_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Also zeroes the int32 at TileCounter, the backward's tile counter (no fill kernel of its own)."""
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    if tl.program_id(0) == 0:
         tl.store(TileCounter, 0)
-    m_block = tl.program_id(0)
-    batch_head = tl.num_programs(1) - 1 - tl.program_id(1)  # the last (batch, head) first
+    num_blocks = padded_q // BLOCK_M
+    m_block, pair = block_and_batch_head(num_blocks)
+    batch_head = tl.num_programs(0) // num_blocks - 1 - pair  # the last (batch, head) first
     batch = batch_head // num_q_heads
     head = batch_head % num_q_heads
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -59,8 +62,9 @@ def finish_dq_kernel(
     num_q_heads, seqlen_q, padded_q, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    batch_head = tl.num_programs(1) - 1 - tl.program_id(1)  # the last (batch, head) first
+    num_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    m_block, pair = block_and_batch_head(num_blocks)
+    batch_head = tl.num_programs(0) // num_blocks - 1 - pair  # the last (batch, head) first
     batch = batch_head // num_q_heads
     head = batch_head % num_q_heads
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)

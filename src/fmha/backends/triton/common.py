@@ -18,6 +18,15 @@ def load_rows(ptrs, rows, num_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.
 
 
 @triton.jit
+def block_and_batch_head(num_blocks):
+    """``(block, batch_head)`` of this program in a one-axis grid of ``num_blocks`` blocks per
+    (batch, head), blocks fastest: the launch order of a (blocks, B·H) grid, without its second
+    axis's limit of 65,535 (B·H can pass it: B 4,096, H 16)."""
+    program = tl.program_id(0)
+    return program % num_blocks, program // num_blocks
+
+
+@triton.jit
 def chain_launches(PDL: tl.constexpr):
     """Programmatic dependent launch (sm_90 on), for kernels that follow one another in one call.
 

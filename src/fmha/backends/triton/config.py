@@ -176,6 +176,10 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
     if splits == 1 and 2 * programs <= multiprocessors and block_n == 64:  # a bf16/fp16 decode tile
         block_n = 128
     num_stages = 3 if small_grid or block_m == 128 else 2
+    if block_m == 128 and block_d == 32:
+        # ptxas 12.8 (Triton 3.6's) crashes (SIGSEGV) on some 3-stage 128-row prefill tiles at
+        # D = 32: fp16 over paged or packed caches (docs/perf.md, "Random calls on the H100").
+        num_stages = 2
     # One loop saves a short call the code of two more pipelined loops, run once per program; large
     # grids are bandwidth-bound, and there the masks cost paged caches. Prefill tiles (compute-bound)
     # and appends (a masked block also reads the new rows) keep the unmasked middle apart.

@@ -327,7 +327,7 @@ class SplitKVForward:
         self.chunk = -(-blocks // config.splits) * config.block_n
         splits = -(-p.seqlen_k // self.chunk)
         packed_blocks = -(-(p.group * p.seqlen_q) // config.block_m)
-        self.grid = (splits, p.batch * p.kv_heads, packed_blocks)
+        self.grid = (p.batch * p.kv_heads, splits, packed_blocks)  # B·Hkv first: the other axes stop at 65,535
         num_rows = p.batch * p.q_heads * p.seqlen_q
         self.combine_grid = (-(-num_rows // SPLIT_KV_COMBINE_ROWS), 1, 1)
         self.partial_shape = (splits, num_rows)
@@ -406,7 +406,7 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
     q_strides, k_strides, v_strides, out_strides, dout_strides, dk_strides, dv_strides, dq_strides = strides
     preprocess_block = 16 if INTERPRETED else 64
     # The preprocess is per row: packed sequences are one batch of total_q rows.
-    backward_preprocess_kernel[(triton.cdiv(rows, preprocess_block), batch * num_q_heads)](
+    backward_preprocess_kernel[(triton.cdiv(rows, preprocess_block) * batch * num_q_heads,)](
         out, dout, delta, *out_strides, *dout_strides, num_q_heads, rows,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block, **COMPILE_OPTIONS,
     )
@@ -434,8 +434,8 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
         dq_grid = (query_tiles.entries * num_q_heads, 1)
     else:
         dkdv_tiles = dq_tiles = None
-        dkdv_grid = (triton.cdiv(keys, config.block_n), batch * num_kv_heads)
-        dq_grid = (triton.cdiv(rows, config.block_n), batch * num_q_heads)
+        dkdv_grid = (triton.cdiv(keys, config.block_n) * batch * num_kv_heads, 1)
+        dq_grid = (triton.cdiv(rows, config.block_n) * batch * num_q_heads, 1)
     backward_dkdv_kernel[dkdv_grid](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, dkdv_tiles, alibi, mask, rng_state,
         *q_strides, *k_strides, *v_strides, *dout_strides, *dk_strides, *dv_strides, *lse_strides,

@@ -85,15 +85,15 @@ def attention_split_kv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (split, batch * KV head, packed block): ``PartialOut[split, b, h, i]`` and
+    """Program (batch * KV head, split, packed block): ``PartialOut[split, b, h, i]`` and
     ``PartialLse[split, b, h, i]`` (log2 units) over keys [split * chunk, (split + 1) * chunk).
     ONE_CHUNK (one chunk holds every key): ``Out[b, h, i]`` and ``Lse[b, h, i]`` (natural log)
     directly, with no combine kernel after it. PDL: the combine kernel launches early
     (:func:`chain_launches`)."""
     chain_launches(PDL)
-    split = tl.program_id(0)
-    batch = tl.program_id(1) // num_kv_heads
-    kv_head = tl.program_id(1) % num_kv_heads
+    split = tl.program_id(1)
+    batch = tl.program_id(0) // num_kv_heads
+    kv_head = tl.program_id(0) % num_kv_heads
     packed = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of the (group, Sq) matrix
     in_range = packed < group_size * seqlen_q
     head = kv_head * group_size + packed // seqlen_q

@@ -19,7 +19,7 @@ blocks from the sequence's end (``FROM_END``), where a key block sees the most q
 import triton
 import triton.language as tl
 
-from .common import chain_launches
+from .common import block_and_batch_head, chain_launches
 
 
 @triton.jit
@@ -69,9 +69,11 @@ def packed_spans(cu_seqlens_q, cu_seqlens_k, seq, total_q, total_k):
 
 
 @triton.jit
-def program_block(Tiles, cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q, seqlen_k, lo, hi, VARLEN: tl.constexpr):
+def program_block(Tiles, cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q, seqlen_k, lo, hi, num_blocks,
+                  VARLEN: tl.constexpr):
     """This program's block and head and where its sequence lies, for the kernels with a
-    (blocks, B·H) grid: ``(past_end, block, batch, head, q_start, k_start, seqlen_q, seqlen_k, lo, hi)``.
+    (blocks, B·H) grid flattened to one axis (:func:`block_and_batch_head`, ``num_blocks`` blocks
+    per (batch, head)): ``(past_end, block, batch, head, q_start, k_start, seqlen_q, seqlen_k, lo, hi)``.
 
     Packed sequences walk the tile list: seqlen_q/seqlen_k come in as the totals and go out as the
     sequence's lengths, lo/hi gain its Sk - Sq, and batch is the sequence (packed tensors have
@@ -84,8 +86,8 @@ def program_block(Tiles, cu_seqlens_q, cu_seqlens_k, num_heads, seqlen_q, seqlen
         offset = seqlen_k - seqlen_q
         return seq < 0, block, seq, head, q_start, k_start, seqlen_q, seqlen_k, lo + offset, hi + offset
     else:
-        return (False, tl.program_id(0), tl.program_id(1) // num_heads, tl.program_id(1) % num_heads, 0, 0,
-                seqlen_q, seqlen_k, lo, hi)
+        block, batch_head = block_and_batch_head(num_blocks)
+        return False, block, batch_head // num_heads, batch_head % num_heads, 0, 0, seqlen_q, seqlen_k, lo, hi
 
 
 @triton.jit
