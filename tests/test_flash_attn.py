@@ -75,11 +75,23 @@ def test_packed_variants_and_their_gradients():
     (dict(softcap=-30.0), ValueError, r"softcap must be finite and > 0"),
     (dict(dropout_p=1.5), ValueError, r"dropout_p must be a float in \[0, 1\]"),
     (dict(alibi_slopes=torch.ones(2)), ValueError, r"alibi_slopes must have shape \(4,\) or \(1, 4\)"),
+    (dict(softmax_scale=float("nan")), ValueError, r"fmha.flash_attn_func: softmax_scale must be finite"),
+    (dict(softmax_scale="0.1"), TypeError, r"fmha.flash_attn_func: softmax_scale must be a real number"),
+    (dict(return_attn_probs="yes"), TypeError, r"fmha.flash_attn_func: return_attn_probs must be a bool"),
 ])
 def test_unsupported_or_bad_arguments_are_named(kwargs, error, pattern):
     (q, k, v), _ = bshd(1, 4, 2, 8, 8, 16)
     with pytest.raises(error, match=pattern):
         fmha.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_varlen_names_its_own_arguments():
+    q = torch.randn(8, 4, 16, dtype=torch.float16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"fmha.flash_attn_varlen_func: softmax_scale must be finite"):
+        fmha.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, softmax_scale=float("inf"))
+    with pytest.raises(TypeError, match=r"fmha.flash_attn_varlen_func: return_attn_probs must be a bool"):
+        fmha.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, return_attn_probs=1)
 
 
 def test_heads_first_tensors_are_refused_by_shape_checks():

@@ -229,14 +229,23 @@ def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
                          "(or on the CPU under TRITON_INTERPRET=1, or on meta tensors for shapes only)")
 
 
-def check_scale(fn: str, scale, head_dim: int) -> float:
+def check_scale(fn: str, scale, head_dim: int, name: str = "scale") -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{fn}: scale must be a real number or None, got {type(scale).__name__}")
+        raise TypeError(f"{fn}: {name} must be a real number or None, got {type(scale).__name__}")
     if not math.isfinite(scale):
-        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+        raise ValueError(f"{fn}: {name} must be finite, got {scale}")
     return float(scale)
+
+
+def check_flash_options(fn: str, softmax_scale, return_attn_probs) -> None:
+    """The FlashAttention functions' own argument names, checked before fmha's entry points (whose
+    errors say ``scale``) see them; a float scale and a bool flag cost two class tests."""
+    if softmax_scale is not None and (softmax_scale.__class__ is not float or not math.isfinite(softmax_scale)):
+        check_scale(fn, softmax_scale, 1, "softmax_scale")
+    if return_attn_probs.__class__ is not bool:
+        check_flag(fn, "return_attn_probs", return_attn_probs)
 
 
 def check_flag(fn: str, name: str, value) -> bool:
