@@ -83,6 +83,23 @@ class HostDescriptor:
         self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
 
 
+def spans_wide_offsets(*tensors) -> bool:
+    """Whether, in one of ``tensors`` (None skipped), a row lies 2^31 elements or more from the first:
+    the kernels' 32-bit ``row * stride`` would wrap, so they build with WIDE_OFFSETS (64-bit row
+    strides). Rows are those of one (batch, head): dims 2-3 of a (B, H, S, D) tensor or a (B, H, Sq,
+    Sk) mask, dims 0 and 2 of a packed (tokens, H, D) one (batch and head offsets are 64-bit)."""
+    for tensor in tensors:
+        if tensor is not None:
+            shape, strides = tensor.shape, tensor.stride()
+            if len(shape) == 3:
+                span = (shape[0] - 1) * abs(strides[0]) + (shape[2] - 1) * abs(strides[2])
+            else:
+                span = (shape[-2] - 1) * abs(strides[-2]) + (shape[-1] - 1) * abs(strides[-1])
+            if span >= 2 ** 31 and 0 not in shape:
+                return True
+    return False
+
+
 def run_compiled(compiled, grid: int | tuple[int, int, int], device: torch.device, args: tuple) -> None:
     """Launch a compiled kernel on the current stream; ``args`` are all its parameters in order.
 

@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl
 
 from ...compat import COMPILE_OPTIONS, GluonASTSource
 from ...params import AttentionParams
-from ...runtime import CachedLaunch, KernelBuildError, multiprocessors, run_compiled
+from ...runtime import CachedLaunch, KernelBuildError, multiprocessors, run_compiled, spans_wide_offsets
 from ..triton.backward import sinks_grad_kernel
 from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
 from ..triton.launch import TileList, tma_compatible, window_bounds
@@ -187,9 +187,10 @@ class _RowLaunches:
     finish_dq: CachedLaunch
 
 
-def _row_launches(head_dim: int) -> _RowLaunches:
-    """New handles per call signature (HopperBackward), whose integers stay fixed: a few keys each."""
-    per_row = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK)
+def _row_launches(head_dim: int, wide_offsets: bool) -> _RowLaunches:
+    """New handles per call signature (HopperBackward), whose integers stay fixed: a few keys each;
+    ``wide_offsets``: 64-bit row strides (:func:`fmha.runtime.spans_wide_offsets`)."""
+    per_row = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, WIDE_OFFSETS=wide_offsets)
     return _RowLaunches(CachedLaunch(backward_rows_kernel, per_row, num_warps=4, **COMPILE_OPTIONS),
                         CachedLaunch(sinks_grad_kernel, dict(BLOCK=1024, LSE_LOG2=True), **COMPILE_OPTIONS),
                         CachedLaunch(finish_dq_kernel, per_row, num_warps=4, **COMPILE_OPTIONS))
@@ -223,7 +224,7 @@ class HopperBackward:
         if schedule.dynamic:  # persistent programs take the tiles from a counter
             self.grid = min(num_tiles, multiprocessors(params.device))
         self.padded_q = -(-self.seqlen_q // 128) * 128
-        self.row_launches = _row_launches(params.head_dim)
+        self.row_launches = {}  # by dout's strides: out and dq are fmha's, dout comes with each call
         self.rows_grid = (self.padded_q // ROWS_BLOCK * self.batch * params.q_heads,)
         threshold, dropout_factor = features.dropout_scalars(params.options)
         self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, self.seqlen_q,
@@ -249,7 +250,9 @@ class HopperBackward:
         scratch = torch.empty(rows * (2 + head_dim) + 4, device=q.device, dtype=torch.float32)
         lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:-4]
         counter = scratch[-4:].view(torch.int32)
-        launches = self.row_launches
+        launches = self.row_launches.get(dout.stride())
+        if launches is None:
+            launches = self.row_launches[dout.stride()] = _row_launches(head_dim, spans_wide_offsets(out, dout, dq))
         launches.rows(self.rows_grid, q.device, out, dout, lse, delta, lse2, dq_accum, counter, *out.stride(),
                       *dout.stride(), *lse.stride()[:2], p.q_heads, seqlen_q, self.padded_q)
         if scores is not None and scores.sinks is not None:  # needs only the LSE and delta

@@ -947,7 +947,8 @@ def _consumer_tile(
                 _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, q_start + row0, 0])
             else:  # the sequence ends inside the tile: its rows only (the next sequence's follow)
                 _store_rows(out.to(dtype), o_smem.index(CONSUMER),
-                            Out + q_start * stride_om + head.to(gl.int64) * stride_oh, stride_om, row0, seq_q)
+                            Out + q_start.to(gl.int64) * stride_om + head.to(gl.int64) * stride_oh, stride_om, row0,
+                            seq_q)
         else:  # the descriptor clips rows past the end
             _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, row0, 0])
         ring_position += end - start

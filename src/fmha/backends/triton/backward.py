@@ -27,7 +27,7 @@ equals rowsum(P ∘ dP).
 import triton
 import triton.language as tl
 
-from .common import block_and_batch_head, load_rows
+from .common import block_and_batch_head, load_rows, wide_stride
 from .masking import key_blocks, query_blocks, visible
 from .scores import NO_MASK, dropout_keep, score_mods, score_tile
 from .varlen import program_block
@@ -41,8 +41,9 @@ def backward_preprocess_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     num_q_heads, seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
+    stride_om, stride_dom = wide_stride(stride_om, WIDE_OFFSETS), wide_stride(stride_dom, WIDE_OFFSETS)
     m_block, batch_head = block_and_batch_head(tl.cdiv(seqlen_q, BLOCK_M))
     batch = batch_head // num_q_heads
     head = batch_head % num_q_heads
@@ -162,7 +163,12 @@ def backward_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
 ):
+    stride_qm, stride_kn = wide_stride(stride_qm, WIDE_OFFSETS), wide_stride(stride_kn, WIDE_OFFSETS)
+    stride_vn, stride_dom = wide_stride(stride_vn, WIDE_OFFSETS), wide_stride(stride_dom, WIDE_OFFSETS)
+    stride_mm, stride_mn = wide_stride(stride_mm, WIDE_OFFSETS), wide_stride(stride_mn, WIDE_OFFSETS)
+    stride_dkn, stride_dvn = wide_stride(stride_dkn, WIDE_OFFSETS), wide_stride(stride_dvn, WIDE_OFFSETS)
     total_q = seqlen_q  # the dropout counters' row numbering (packed: the total)
     # One key block of one KV head (packed sequences: an entry of the key-block list).
     past_end, n_block, batch, kv_head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
@@ -280,7 +286,12 @@ def backward_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
 ):
+    stride_qm, stride_kn = wide_stride(stride_qm, WIDE_OFFSETS), wide_stride(stride_kn, WIDE_OFFSETS)
+    stride_vn, stride_dom = wide_stride(stride_vn, WIDE_OFFSETS), wide_stride(stride_dom, WIDE_OFFSETS)
+    stride_mm, stride_mn = wide_stride(stride_mm, WIDE_OFFSETS), wide_stride(stride_mn, WIDE_OFFSETS)
+    stride_dqm = wide_stride(stride_dqm, WIDE_OFFSETS)
     total_q = seqlen_q  # the dropout counters' row numbering (packed: the total)
     past_end, m_block, batch, head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
         Tiles, CuSeqlensQ, CuSeqlensK, num_q_heads, seqlen_q, seqlen_k, lo, hi, tl.cdiv(seqlen_q, BLOCK_N), VARLEN)

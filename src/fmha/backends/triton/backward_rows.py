@@ -14,7 +14,7 @@ the backward's last dQ sums first.
 import triton
 import triton.language as tl
 
-from .common import block_and_batch_head
+from .common import block_and_batch_head, wide_stride
 
 LOG2_E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -26,9 +26,10 @@ def backward_rows_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh,
     num_q_heads, seqlen_q, padded_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """Also zeroes the int32 at TileCounter, the backward's tile counter (no fill kernel of its own)."""
+    stride_om, stride_dom = wide_stride(stride_om, WIDE_OFFSETS), wide_stride(stride_dom, WIDE_OFFSETS)
     if tl.program_id(0) == 0:
         tl.store(TileCounter, 0)
     num_blocks = padded_q // BLOCK_M
@@ -60,8 +61,9 @@ def finish_dq_kernel(
     DQAccum, DQ,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     num_q_heads, seqlen_q, padded_q, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
+    stride_dqm = wide_stride(stride_dqm, WIDE_OFFSETS)
     num_blocks = tl.cdiv(seqlen_q, BLOCK_M)
     m_block, pair = block_and_batch_head(num_blocks)
     batch_head = tl.num_programs(0) // num_blocks - 1 - pair  # the last (batch, head) first

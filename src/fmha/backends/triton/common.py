@@ -18,6 +18,16 @@ def load_rows(ptrs, rows, num_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.
 
 
 @triton.jit
+def wide_stride(stride, WIDE_OFFSETS: tl.constexpr):
+    """``stride`` in 64 bits where a tensor's rows span 2^31 elements or more (WIDE_OFFSETS, from
+    :func:`fmha.runtime.spans_wide_offsets`): ``row * stride`` would wrap in 32 bits."""
+    if WIDE_OFFSETS:
+        return tl.cast(stride, tl.int64)
+    else:
+        return stride
+
+
+@triton.jit
 def block_and_batch_head(num_blocks):
     """``(block, batch_head)`` of this program in a one-axis grid of ``num_blocks`` blocks per
     (batch, head), blocks fastest: the launch order of a (blocks, B·H) grid, without its second

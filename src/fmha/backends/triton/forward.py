@@ -35,7 +35,7 @@ into the normalisation; the LSE is that of the softmax before dropout).
 import triton
 import triton.language as tl
 
-from .common import load_rows
+from .common import load_rows, wide_stride
 from .masking import key_blocks, visible
 from .scores import LOG2_E as LOG2_E_CONSTEXPR
 from .scores import NO_MASK, dropout_keep, score_mods, score_tile
@@ -295,7 +295,11 @@ def attention_forward_kernel(
     USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, PIPELINE_QK: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr, VARLEN: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, SINKS: tl.constexpr, DROPOUT: tl.constexpr,
+    WIDE_OFFSETS: tl.constexpr,
 ):
+    stride_qm, stride_kn = wide_stride(stride_qm, WIDE_OFFSETS), wide_stride(stride_kn, WIDE_OFFSETS)
+    stride_vn, stride_om = wide_stride(stride_vn, WIDE_OFFSETS), wide_stride(stride_om, WIDE_OFFSETS)
+    stride_mm, stride_mn = wide_stride(stride_mm, WIDE_OFFSETS), wide_stride(stride_mn, WIDE_OFFSETS)
     if VARLEN:
         # Packed sequences: Q is (1, Hq, total_q, D), seqlen_q/seqlen_k are the packed totals and
         # lo/hi hold the window without its per-sequence offset. Program p runs one entry of the

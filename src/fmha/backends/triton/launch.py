@@ -17,7 +17,7 @@ import triton
 from ...compat import COMPILE_OPTIONS
 from ...params import NO_SCORE_TENSORS, AttentionParams, ScoreTensors
 from ...runtime import (INTERPRETED, TensorDescriptor, chains_launches, compiles_to_ptx, compute_capability,
-                        multiprocessors, run_compiled)
+                        multiprocessors, run_compiled, spans_wide_offsets)
 from .backward import backward_dkdv_kernel, backward_dq_kernel, backward_preprocess_kernel, sinks_grad_kernel
 from .config import DEFAULT_FEATURES, BackwardConfig, ForwardConfig, KernelFeatures, SplitKVConfig, padded_head_dim
 from .forward import LOG2_E, attention_forward_kernel
@@ -253,7 +253,7 @@ class PortableForward:
             HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(params.dtype),
             USE_TMA=False, FUSED_SCALE=features.fused_scale and self.scores.fused_scale_ok,
             PIPELINE_QK=features.pipeline_qk, WARP_SPECIALIZE=features.warp_specialize,
-            PERSISTENT=features.persistent, VARLEN=varlen, **self.scores.constants,
+            PERSISTENT=features.persistent, VARLEN=varlen, **self.scores.constants, WIDE_OFFSETS=False,
         )
         if varlen:
             self.tile_list = TileList(params.batch, params.total_q, config.block_m, from_end=False, device=params.device)
@@ -287,6 +287,8 @@ class PortableForward:
                           *score_pointers, *strides, *score_strides, *sizes, *self.scores.scalars,
                           *self.constants.values()))
             return self.compiled
+        # Through the JIT (the first call, or other score tensors): 64-bit row strides if needed.
+        self.constants["WIDE_OFFSETS"] = spans_wide_offsets(q, k, v, out, scores.attn_mask)
         constants = self.constants
         descriptors = (None, None, None, None)
         use_tma = (self.features.tma and TensorDescriptor is not None
@@ -337,7 +339,7 @@ class SplitKVForward:
         self.constants = (
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(p.dtype), ONE_CHUNK=self.one_chunk,
-                 PDL=pdl),
+                 PDL=pdl, WIDE_OFFSETS=False),
             dict(HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_ROWS=SPLIT_KV_COMBINE_ROWS,
                  CHUNKS=merge_group(SPLIT_KV_COMBINE_ROWS, block_d, 4, splits, registers=128), PDL=pdl))
         self.combine_options = {"launch_pdl": True} if pdl else {}
@@ -363,6 +365,7 @@ class SplitKVForward:
                              (partial_out, partial_lse, out, lse, *out_strides, *self.integers[1],
                               *self.constants[1].values()))
             return chunk_kernel
+        self.constants[0]["WIDE_OFFSETS"] = spans_wide_offsets(q, k, v, out)
         chunk_kernel = attention_split_kv_kernel[self.grid](
             *chunk_args, **self.constants[0], num_warps=self.config.num_warps, num_stages=self.config.num_stages,
             **COMPILE_OPTIONS)
@@ -404,11 +407,12 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
         strides = [t.stride() for t in (q, k, v, out, dout, dk, dv, dq)]
         rows, keys, batch, lse_strides = p.seqlen_q, p.seqlen_k, p.batch, lse.stride()[:2]
     q_strides, k_strides, v_strides, out_strides, dout_strides, dk_strides, dv_strides, dq_strides = strides
+    wide = spans_wide_offsets(q, k, v, out, dout, dq, dk, dv, scores.attn_mask)
     preprocess_block = 16 if INTERPRETED else 64
     # The preprocess is per row: packed sequences are one batch of total_q rows.
     backward_preprocess_kernel[(triton.cdiv(rows, preprocess_block) * batch * num_q_heads,)](
         out, dout, delta, *out_strides, *dout_strides, num_q_heads, rows,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block, **COMPILE_OPTIONS,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block, WIDE_OFFSETS=wide, **COMPILE_OPTIONS,
     )
     if scores.sinks is not None:  # the LSE counts the sinks: their gradient needs only it and delta
         sinks_grad_kernel[(num_q_heads,)](
@@ -421,7 +425,7 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
     score_constants = dict(score_launch.constants)
     del score_constants["SINKS"]  # the LSE counts them: the backward kernels never see them
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-                  DOT_PRECISION=dot_precision(q.dtype), VARLEN=p.varlen, **score_constants,
+                  DOT_PRECISION=dot_precision(q.dtype), VARLEN=p.varlen, **score_constants, WIDE_OFFSETS=wide,
                   num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
     group_size = num_q_heads // num_kv_heads
     # Each kernel keeps block_n rows resident (keys for dK/dV, queries for dQ) and streams

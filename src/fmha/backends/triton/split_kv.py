@@ -18,7 +18,7 @@ query position; chunks outside a tile's window run no blocks.
 import triton
 import triton.language as tl
 
-from .common import chain_launches, load_rows
+from .common import chain_launches, load_rows, wide_stride
 from .forward import LN_2, _softmax_update
 from .masking import visible
 from .scores import NO_MASK
@@ -83,7 +83,7 @@ def attention_split_kv_kernel(
     num_rows, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, chunk,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
     """Program (batch * KV head, split, packed block): ``PartialOut[split, b, h, i]`` and
     ``PartialLse[split, b, h, i]`` (log2 units) over keys [split * chunk, (split + 1) * chunk).
@@ -91,6 +91,8 @@ def attention_split_kv_kernel(
     directly, with no combine kernel after it. PDL: the combine kernel launches early
     (:func:`chain_launches`)."""
     chain_launches(PDL)
+    stride_qm, stride_kn = wide_stride(stride_qm, WIDE_OFFSETS), wide_stride(stride_kn, WIDE_OFFSETS)
+    stride_vn, stride_om = wide_stride(stride_vn, WIDE_OFFSETS), wide_stride(stride_om, WIDE_OFFSETS)
     split = tl.program_id(1)
     batch = tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
