@@ -221,7 +221,7 @@ def draw_kvcache(rng):
                 softcap=rng.choice([0.0, 0.0, 30.0]), alibi=rng.random() < 0.2,
                 num_splits=rng.choice([0, 0, 0, 1, 3, 8]),
                 rotary_dim=rng.choice([0, 0, 0, 32, head_dim]) if new_keys and seqlen_q <= new_keys else 0,
-                rotary_interleaved=rng.random() < 0.5)
+                rotary_interleaved=rng.random() < 0.5, batch_idx=rng.random() < 0.3, leftpad=rng.random() < 0.3)
     if case["page_size"] == 1 and capacity > 1000:
         case["page_size"] = 16
     return case
@@ -232,6 +232,13 @@ def run_kvcache(case):
     inputs = random_kvcache(case["batch"], case["seqlen_q"], case["q_heads"], case["kv_heads"], case["head_dim"],
                             case["capacity"], new_keys=case["new_keys"], dtype=dtype, device=DEVICE,
                             page_size=case["page_size"], rotary_dim=case["rotary_dim"], seed=case["seed"])
+    generator = torch.Generator().manual_seed(case["seed"] + 1)
+    if case.get("batch_idx") and case["page_size"] is None:  # the sequences in a shuffled order of cache rows
+        inputs["cache_batch_idx"] = torch.randperm(case["batch"], generator=generator).to(DEVICE, torch.int32)
+    if case.get("leftpad"):  # each sequence starts somewhere in its cached keys
+        lengths = inputs["cache_seqlens"].cpu()
+        pads = (torch.rand(case["batch"], generator=generator) * (lengths + 1)).long().clamp(max=lengths)
+        inputs["cache_leftpad"] = pads.to(DEVICE, torch.int32)
     options = dict(causal=case["causal"], window_size=tuple(case["window"]), softcap=case["softcap"],
                    num_splits=case["num_splits"])
     if case["alibi"]:
