@@ -401,3 +401,31 @@ def test_bad_arguments_are_named_before_any_launch(changes, error, pattern):
     with pytest.raises(error, match=pattern):
         fmha.flash_attn_with_kvcache(**case)
     assert torch.equal(case["k_cache"], k_before)
+
+
+def test_more_packed_rows_than_a_grid_axis_holds_are_refused_before_launch():
+    """(heads per KV head) x queries over 65,535 tiles of 64 rows: refused by name, on meta
+    tensors (nothing allocated, nothing launched); one row fewer plans."""
+    from fmha.kvcache_params import MAX_PACKED_ROWS
+
+    queries = MAX_PACKED_ROWS // 4
+    cache = torch.empty(1, 64, 1, 16, device="meta", dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match=r"q.shape\[1\] = \d+ queries of 4 heads per KV head"):
+        fmha.flash_attn_with_kvcache(torch.empty(1, queries + 1, 4, 16, device="meta", dtype=torch.float16),
+                                     cache, cache)
+    lengths = torch.zeros(2, dtype=torch.int32, device="meta")
+    table = torch.zeros(1, 1, dtype=torch.int32, device="meta")
+    with pytest.raises(NotImplementedError, match=r"max_seqlen_q = \d+ queries"):
+        fmha.flash_attn_varlen_func(torch.empty(queries + 1, 4, 16, device="meta", dtype=torch.float16), cache,
+                                    cache, lengths, lengths, queries + 1, 64, block_table=table)
+    out = fmha.flash_attn_with_kvcache(torch.empty(1, queries, 4, 16, device="meta", dtype=torch.float16), cache,
+                                       cache)
+    assert out.shape == (1, queries, 4, 16)
+
+
+def test_num_splits_stays_within_a_grid_axis():
+    q = torch.empty(1, 1, 4, 16, device="meta", dtype=torch.float16)
+    cache = torch.empty(1, 2 ** 23, 1, 16, device="meta", dtype=torch.float16)  # 131,072 blocks of 64 keys
+    params = kvcache_params("test", q, cache, cache, None, None, None, None, None, None, None, None, None, False,
+                            (-1, -1), 0.0, False, None, 10 ** 6)
+    assert kvcache_config(params, 132).splits == 65535

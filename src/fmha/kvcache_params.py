@@ -247,6 +247,7 @@ def kvcache_params(fn, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     check_flag(fn, "rotary_interleaved", rotary_interleaved)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"{fn}: num_splits must be an int >= 0 (0: chosen by a heuristic), got {num_splits!r}")
+    _check_packed_rows(fn, "q.shape[1]", seqlen_q, q_heads, fields["kv_heads"])
     return KVCacheParams(
         seqlen_q=seqlen_q, new_keys=new_keys, seqlens_on_device=seqlens_on_device,
         has_batch_idx=cache_batch_idx is not None, has_leftpad=cache_leftpad is not None, rotary_dim=rotary_dim,
@@ -269,10 +270,24 @@ def paged_varlen_params(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
     total_q, q_heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     fields = _cache(fn, q, k_cache, v_cache, block_table, batch, q_heads, head_dim, softcap, alibi_slopes, sinks)
+    _check_packed_rows(fn, "max_seqlen_q", max_seqlen_q, q_heads, fields["kv_heads"])
     return KVCacheParams(
         seqlen_q=max_seqlen_q, new_keys=0, seqlens_on_device=True, has_batch_idx=False, has_leftpad=False,
         rotary_dim=0, rotary_rows=0, rotary_interleaved=False, num_splits=0, varlen=True, total_q=total_q,
         **fields, **_scale_and_window(fn, softmax_scale, causal, window_size, fields["capacity"], head_dim))
+
+
+# Packed query rows (query heads per KV head x queries) one (sequence, KV head) can hold: the
+# kernel's tiles of 64 or more such rows run on a grid axis of at most 65,535 programs.
+MAX_PACKED_ROWS = 65535 * 64
+
+
+def _check_packed_rows(fn: str, name: str, seqlen_q: int, q_heads: int, kv_heads: int) -> None:
+    packed = q_heads // max(kv_heads, 1) * seqlen_q
+    if packed > MAX_PACKED_ROWS:
+        raise NotImplementedError(f"{fn}: {name} = {seqlen_q} queries of {q_heads // max(kv_heads, 1)} heads per KV "
+                                  f"head make {packed} rows per KV head, more than the {MAX_PACKED_ROWS} one call "
+                                  "holds; split the queries over several calls")
 
 
 def check_cache_seqlen(fn: str, cache_seqlens, params: KVCacheParams) -> int:
