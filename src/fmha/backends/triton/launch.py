@@ -329,7 +329,8 @@ class SplitKVForward:
         self.chunk = -(-blocks // config.splits) * config.block_n
         splits = -(-p.seqlen_k // self.chunk)
         packed_blocks = -(-(p.group * p.seqlen_q) // config.block_m)
-        self.grid = (p.batch * p.kv_heads, splits, packed_blocks)  # B·Hkv first: the other axes stop at 65,535
+        # Chunks and (batch, KV head) pairs share the first axis: the others stop at 65,535.
+        self.grid = (splits * p.batch * p.kv_heads, 1, packed_blocks)
         num_rows = p.batch * p.q_heads * p.seqlen_q
         self.combine_grid = (-(-num_rows // SPLIT_KV_COMBINE_ROWS), 1, 1)
         self.partial_shape = (splits, num_rows)

@@ -18,7 +18,7 @@ query position; chunks outside a tile's window run no blocks.
 import triton
 import triton.language as tl
 
-from .common import chain_launches, load_rows, wide_stride
+from .common import block_and_batch_head, chain_launches, load_rows, wide_stride
 from .forward import LN_2, _softmax_update
 from .masking import visible
 from .scores import NO_MASK
@@ -85,7 +85,7 @@ def attention_split_kv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_CHUNK: tl.constexpr,
     PDL: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
-    """Program (batch * KV head, split, packed block): ``PartialOut[split, b, h, i]`` and
+    """Program (chunks of (batch, KV head) on the first axis, chunk fastest; packed block): ``PartialOut[split, b, h, i]`` and
     ``PartialLse[split, b, h, i]`` (log2 units) over keys [split * chunk, (split + 1) * chunk).
     ONE_CHUNK (one chunk holds every key): ``Out[b, h, i]`` and ``Lse[b, h, i]`` (natural log)
     directly, with no combine kernel after it. PDL: the combine kernel launches early
@@ -93,9 +93,9 @@ def attention_split_kv_kernel(
     chain_launches(PDL)
     stride_qm, stride_kn = wide_stride(stride_qm, WIDE_OFFSETS), wide_stride(stride_kn, WIDE_OFFSETS)
     stride_vn, stride_om = wide_stride(stride_vn, WIDE_OFFSETS), wide_stride(stride_om, WIDE_OFFSETS)
-    split = tl.program_id(1)
-    batch = tl.program_id(0) // num_kv_heads
-    kv_head = tl.program_id(0) % num_kv_heads
+    split, batch_head = block_and_batch_head(tl.cdiv(seqlen_k, chunk))
+    batch = batch_head // num_kv_heads
+    kv_head = batch_head % num_kv_heads
     packed = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of the (group, Sq) matrix
     in_range = packed < group_size * seqlen_q
     head = kv_head * group_size + packed // seqlen_q
