@@ -6,7 +6,9 @@ Supported
   sinks=None, dropout_p=0.0, generator=None, return_lse=False, deterministic=False, config=None)``:
   q is (B, Hq, Sq, D), k and v are (B, Hkv, Sk, D), Hq % Hkv == 0 (MHA, GQA, MQA).
 * Any strides, including ``x.transpose(1, 2)`` of a BSHD tensor and stride 0 from
-  ``expand``; nothing is copied. The output has q's memory layout when q is dense.
+  ``expand``; nothing is copied. The output has q's memory layout when q is dense. Any
+  batch x heads, and rows that span 2^31 elements or more within one (batch, head) (kernels
+  built with 64-bit row offsets for those calls).
 * ``causal=True`` is bottom-right aligned as in FlashAttention: query i sees keys
   j <= i + Sk - Sq. A row that sees no key returns zeros and LSE = -inf.
 * ``window=(left, right)``: query i sees keys pos(i) - left <= j <= pos(i) + right with

@@ -51,7 +51,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         softcap: > 0 caps each scaled score at ``softcap * tanh(s / softcap)`` (0.0: off).
         alibi_slopes: float32 (Hq,) or (B, Hq): adds ``-slope * |i + Sk_b - Sq - j|`` to the scores.
         num_splits: chunks of the keys (split-KV); 0 lets a heuristic pick from B * Hkv, the
-            cache's length and the GPU's multiprocessors.
+            cache's length and the GPU's multiprocessors; at most the key blocks and 65,535.
+            More than 4,194,240 query rows per KV head ((Hq / Hkv) * Sq) raise NotImplementedError.
         return_softmax_lse: also return the natural-log LSE (B, Hq, Sq), float32.
         sinks: float32 (Hq,), learnable sinks (beyond FlashAttention-2's signature): each row's
             softmax denominator gets ``+ exp(sinks[h])``, as in ``fmha.attention``.
