@@ -40,7 +40,7 @@ MAX_PAIRS = 6e7  # B * Hq * Sq * Sk, so that the float64 reference stays small
 DEVICE = os.environ.get("FMHA_RANDOM_CALLS_DEVICE", "cuda")  # "cpu": the interpreter, to try a replay
 
 
-def draw_scores(rng, batch, q_heads):
+def draw_scores(rng):
     return dict(softcap=rng.choice([None, None, None, 30.0, 50.0]),
                 alibi=rng.choice([None, None, None, None, "heads", "batch_heads"]),
                 sinks=rng.random() < 0.2,
@@ -60,8 +60,9 @@ def score_tensors(case, batch, q_heads):
     return scores
 
 
-def side(value):
-    return -1 if value is None else value
+def detached(scores):
+    """The score arguments for the reference: tensors detached, floats as they are."""
+    return {name: value.detach() if torch.is_tensor(value) else value for name, value in scores.items()}
 
 
 def draw_dense(rng):
@@ -76,7 +77,7 @@ def draw_dense(rng):
                 dtype=rng.choice(["bfloat16", "bfloat16", "float16"]), layout=rng.choice(["bhsd", "bshd"]),
                 causal=rng.random() < 0.5, left=rng.choice(WINDOW_SIDES), right=rng.choice(WINDOW_SIDES),
                 backward=rng.random() < 0.5, deterministic=rng.random() < 0.15)
-    case.update(draw_scores(rng, batch, case["q_heads"]))
+    case.update(draw_scores(rng))
     # Half the calls the Gluon kernels could run name a Hopper schedule (the default picks the
     # portable forward for short calls).
     case["schedule"] = rng.choice([None, None, None, {}, {"q_buffers": 2}, {"q_buffers": 2, "pack_p": True},
@@ -123,7 +124,7 @@ def run_dense(case):
         return out, lse
 
     out, lse = call()
-    reference = {name: value.detach() if torch.is_tensor(value) else value for name, value in scores.items()}
+    reference = detached(scores)
     if case["dropout_p"]:
         dropout_generator.manual_seed(case["seed"] + 2)
         keep = dropout_keep_mask(ops.dropout_seed(dropout_generator, q.device),
@@ -132,13 +133,13 @@ def run_dense(case):
         reference.update(dropout_p=kernel_dropout_p(case["dropout_p"]),
                          keep=keep.view(case["batch"], case["q_heads"], case["seqlen_q"], case["seqlen_k"]))
     window_rule = reference_window(case["seqlen_q"], case["seqlen_k"], case["left"], case["right"], case["causal"])
-    detached = [t.detach() for t in (q, k, v)]
-    assert_close_to_reference(out.detach(), *detached, window=window_rule, lse=lse, **reference)
+    inputs = [t.detach() for t in (q, k, v)]
+    assert_close_to_reference(out.detach(), *inputs, window=window_rule, lse=lse, **reference)
     if not case["backward"]:
         return
     dout = torch.randn(out.shape, device=DEVICE, dtype=dtype, generator=generator)
     grads = torch.autograd.grad(out, leaves, dout)
-    assert_grads_close(grads, *detached, dout, window=window_rule, **reference)
+    assert_grads_close(grads, *inputs, dout, window=window_rule, **reference)
     if case["deterministic"]:
         again = torch.autograd.grad(call()[0], leaves, dout)
         assert all(torch.equal(a, b) for a, b in zip(grads, again)), "deterministic gradients differ between runs"
@@ -154,7 +155,7 @@ def draw_varlen(rng):
                 q_heads=kv_heads * group, head_dim=rng.choice(HEAD_DIMS), dtype=rng.choice(["bfloat16", "float16"]),
                 causal=rng.random() < 0.5, left=rng.choice(WINDOW_SIDES), right=rng.choice(WINDOW_SIDES),
                 backward=rng.random() < 0.5)
-    case.update(draw_scores(rng, count, case["q_heads"]))
+    case.update(draw_scores(rng))
     return case
 
 
@@ -193,9 +194,7 @@ def run_varlen(case):
         rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         q_b, k_b, v_b, out_b, dout_b = (t.detach()[s].transpose(0, 1)[None] for t, s in
                                         ((q, rows), (k, keys), (v, keys), (out, rows), (dout, rows)))
-        reference = {name: value.detach() for name, value in scores.items() if name != "softcap"}
-        if "softcap" in scores:
-            reference["softcap"] = scores["softcap"]
+        reference = detached(scores)
         if "alibi_slopes" in reference and reference["alibi_slopes"].ndim == 2:
             reference["alibi_slopes"] = reference["alibi_slopes"][b]
         if keep is not None:

@@ -19,7 +19,7 @@ import torch
 
 from .params import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_alibi_slopes, check_cu_seqlens, check_flag, check_max_seqlen,
                      check_sinks, check_softcap, flash_window)
-from .runtime import INTERPRETED
+from .runtime import GRID_AXIS_LIMIT, INTERPRETED
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,14 +278,14 @@ def paged_varlen_params(fn, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max
 
 
 # Packed query rows (query heads per KV head x queries) one (sequence, KV head) can hold: the
-# kernel's tiles of 64 or more such rows run on a grid axis of at most 65,535 programs.
-MAX_PACKED_ROWS = 65535 * 64
+# kernel's tiles of 64 or more such rows run on a grid axis of GRID_AXIS_LIMIT programs.
+MAX_PACKED_ROWS = GRID_AXIS_LIMIT * 64
 
 
 def _check_packed_rows(fn: str, name: str, seqlen_q: int, q_heads: int, kv_heads: int) -> None:
-    packed = q_heads // max(kv_heads, 1) * seqlen_q
+    packed = q_heads // kv_heads * seqlen_q
     if packed > MAX_PACKED_ROWS:
-        raise NotImplementedError(f"{fn}: {name} = {seqlen_q} queries of {q_heads // max(kv_heads, 1)} heads per KV "
+        raise NotImplementedError(f"{fn}: {name} = {seqlen_q} queries of {q_heads // kv_heads} heads per KV "
                                   f"head make {packed} rows per KV head, more than the {MAX_PACKED_ROWS} one call "
                                   "holds; split the queries over several calls")
 

@@ -83,6 +83,10 @@ class HostDescriptor:
         self.base, self.shape, self.strides, self.padding = base, shape, strides, "zero"
 
 
+# Programs a CUDA grid's second and third axes hold (the first holds 2^31 - 1).
+GRID_AXIS_LIMIT = 65535
+
+
 def spans_wide_offsets(*tensors) -> bool:
     """Whether, in one of ``tensors`` (None skipped), a row lies 2^31 elements or more from the first:
     the kernels' 32-bit ``row * stride`` would wrap, so they build with WIDE_OFFSETS (64-bit row

@@ -15,6 +15,8 @@ from typing import ClassVar
 import torch
 import triton
 
+from ...runtime import GRID_AXIS_LIMIT
+
 
 @dataclass(frozen=True)
 class ForwardConfig:
@@ -171,7 +173,7 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
         splits = params.num_splits
     else:
         splits = _kvcache_splits(programs, params.capacity, key_blocks, multiprocessors)
-    splits = max(1, min(splits, key_blocks, 65535))  # a grid axis holds 65,535 programs
+    splits = max(1, min(splits, key_blocks, GRID_AXIS_LIMIT))
     small_grid = programs * splits < 2 * multiprocessors
     if splits == 1 and 2 * programs <= multiprocessors and block_n == 64:  # a bf16/fp16 decode tile
         block_n = 128
