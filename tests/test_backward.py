@@ -121,3 +121,21 @@ def test_torch_compile_fullgraph_forward_and_backward():
     eager = torch.autograd.grad(block(q, k, v), (q, k, v))
     for got, expected in zip(grads, eager):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_tiles_of_unequal_sides(block_m, block_n, causal):
+    """The dK/dV kernel keeps block_n keys and the dQ kernel block_n rows resident; each finds its
+    (block, batch, head) from its own block count, so tiles with block_m != block_n (as ``fmha tune``
+    may pick them) cover every block of every head, and nothing past them."""
+    from fmha import dispatch
+    from fmha.backends.triton.config import BackwardConfig
+    from fmha.params import attention_params
+
+    q, k, v = random_qkv(2, 4, 2, 45, 70, 16, torch.float16)
+    params = attention_params("test", q, k, v, causal=causal)
+    out, lse = dispatch.prepared_forward(params, q, k, v)(q, k, v)
+    dout = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3))
+    grads = dispatch.run_backward(dout, q, k, v, out, lse, params, config=BackwardConfig(block_m, block_n, 4, 1))
+    assert_grads_close(grads, q, k, v, dout, causal_offset=70 - 45 if causal else None)

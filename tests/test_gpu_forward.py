@@ -115,6 +115,11 @@ HOPPER_SCHEDULES = {  # HopperSchedule fields; names without spaces (test ids pa
                                                    "row_sum_mma": True},
     "one_consumer_three_ctas_per_sm_64_keys_row_sum_mma": {"consumers": 1, "block_n": 64, "q_buffers": 2,
                                                            "ctas_per_sm": 3, "row_sum_mma": True},
+    # 64-key blocks with one Q buffer: the schedules D = 256 builds (its output staged in the Q buffer)
+    "persistent_64_keys": {"persistent": True, "block_n": 64},
+    "persistent_64_keys_packed_p": {"persistent": True, "block_n": 64, "pack_p": True},
+    "grid_64_keys_packed_p": {"persistent": False, "block_n": 64, "pack_p": True},
+    "dynamic_64_keys_packed_p": {"persistent": True, "dynamic": True, "block_n": 64, "pack_p": True},
 }
 
 
@@ -128,7 +133,7 @@ def skip_unbuildable(schedule: str, head_dim: int):
 
 @pytest.mark.parametrize("schedule", HOPPER_SCHEDULES)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_hopper_kernel_schedules(dtype, head_dim, causal, schedule):
     """The Gluon kernel's grids and softmax variants, on more tiles than multiprocessors, through

@@ -427,3 +427,35 @@ def test_hopper_softcap_with_saturated_rows_gpu(head_dim, softcap, causal):
         out, lse = fmha.attention(q, k, v, return_lse=True, **kwargs)
         offset = dict(causal_offset=700 - 512) if causal else {}
         assert_close_to_reference(out, q, k, v, lse=lse, atol=1e-5, softcap=softcap, **offset, **extra)
+
+
+# The shipped D = 256 schedule: 64-key blocks, P packed, the output staged in the (one) Q buffer.
+HEAD_DIM_256_SCHEDULE = dict(block_n=64, pack_p=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", HOPPER_FEATURES + ["dropout"])
+def test_hopper_forward_at_head_dim_256_with_score_features_gpu(name, causal):
+    """D = 256 runs the Gluon forward with every score feature (dropout with the portable kernels'
+    pattern) and the portable backward after it. Sq > Sk causal: rows that see no key."""
+    skip_off_hopper()
+    seqlen_q, seqlen_k = (1500, 500) if causal else (700, 900)
+    q, k, v = inputs(seqlen_q, seqlen_k, 256, hash((name, causal, "d256")) % 2**31, grad=True)
+    hopper = fmha.HopperSchedule(**HEAD_DIM_256_SCHEDULE)
+    if name != "dropout":
+        explanation = fmha.explain(q, k, v, causal=causal, config=hopper, **feature_kwargs(name))
+        assert explanation.backend == "gluon_sm90" and explanation.backward.startswith("triton"), str(explanation)
+        check_features(q, k, v, name, causal, config=hopper)
+        return
+    generator = torch.Generator(device="cuda").manual_seed(21)
+    out, lse = fmha.attention(q, k, v, causal=causal, dropout_p=0.3, generator=generator, return_lse=True,
+                              config=hopper)
+    generator.manual_seed(21)
+    keep = dropout_keep_mask(ops.dropout_seed(generator, q.device), 2 * Q_HEADS * seqlen_q, seqlen_k, 0.3,
+                             seqlen_q=seqlen_q).view(2, Q_HEADS, seqlen_q, seqlen_k)
+    offset = dict(causal_offset=seqlen_k - seqlen_q) if causal else {}
+    dropout = dict(dropout_p=kernel_dropout_p(0.3), keep=keep)
+    assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), lse=lse, atol=1e-5, **dropout,
+                              **offset)
+    dout = torch.randn_like(out)
+    assert_grads_close(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, **dropout, **offset)

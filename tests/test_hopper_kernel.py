@@ -137,7 +137,10 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (64, True, 2, 128, 2, 8, 2, 1, "dropout", "row_sum_mma"),
             (64, True, 2, 128, 2, 0, 2, 1, "pack_p", "no_turns"),
             (64, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p", "no_turns"),
-            (128, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p")]
+            (128, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p"),
+            (256, False, 2, 64, 2, 0, 1, 1, "pack_p"), (256, False, 2, 64, 2, 0, 1, 1, "pack_p", "dropout"),
+            (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "softcap_bounded", "left", "varlen", "dynamic"),
+            (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "alibi_causal", "sinks")]
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +333,21 @@ def test_second_q_buffer_per_consumer(hopper_builds, head_dim):
     one = hopper_builds[f"{head_dim},True,{options},1,1"]["shared"]
     two = hopper_builds[f"{head_dim},True,{options},2,1"]["shared"]
     assert extra <= two - one < extra + 1024
+
+
+@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if variant[0] == 256], ids=str)
+def test_head_dim_256_stages_its_output_in_the_q_buffer(hopper_builds, variant):
+    """At D = 256 a CTA holds each consumer's Q tile and a two-stage K/V ring of 64-key blocks (192
+    KiB): no room for output tiles of their own, so the output goes through the Q buffers. The
+    unmasked key loop keeps everything in registers."""
+    build = hopper_builds[",".join(map(str, variant))]
+    assert "error" not in build, build.get("error")
+    q_tiles, ring = 2 * 64 * 256 * 2, 2 * 2 * 64 * 256 * 2
+    assert q_tiles + ring <= build["shared"] < q_tiles + ring + 1024
+    assert HopperSchedule(block_n=64).output_in_q(256) and not HopperSchedule(block_n=64, q_buffers=2).output_in_q(128)
+    assert build["unmasked_loop_spills"] == 0
+    assert "block_n in (64,)" in HopperSchedule().build_refusal(256)
+    assert "shared memory" in HopperSchedule(block_n=64, q_buffers=2).build_refusal(256)
 
 
 def params_of(batch, seqlen, head_dim, causal, dtype=torch.bfloat16):

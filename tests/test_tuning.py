@@ -253,15 +253,28 @@ def test_every_backward_key_keeps_candidates_and_each_drop_has_a_reason():
             assert all(rule in rule_names and reason for rule, reason in dropped.values())
 
 
+@pytest.mark.parametrize("shared_memory", [0, 99 * 1024, 163 * 1024, 227 * 1024])  # none known, sm_86, A100, H100
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim", [16, 32, 40, 64, 80, 96, 128, 192, 256])
-def test_heuristic_backward_configs_survive_pruning(dtype, head_dim):
-    heuristic = heuristic_backward_config(head_dim, dtype)
+def test_heuristic_backward_configs_survive_pruning(dtype, head_dim, shared_memory):
+    heuristic = heuristic_backward_config(head_dim, dtype, shared_memory)
     element_size = torch.empty((), dtype=dtype).element_size()
     for seqlen in (128, 1000, 4096, 16384):
-        kept, dropped = prune([heuristic], Problem(head_dim, element_size, seqlen, seqlen_k=seqlen),
-                              BACKWARD_PRUNING_RULES)
+        problem = Problem(head_dim, element_size, seqlen, shared_memory or 99 * 1024, seqlen_k=seqlen)
+        kept, dropped = prune([heuristic], problem, BACKWARD_PRUNING_RULES)
         assert kept == [heuristic], dropped
+
+
+def test_wide_heads_take_the_wide_backward_tiles_where_shared_memory_holds_them():
+    from fmha.backends.triton.config import WIDE_HEAD_BACKWARD_CONFIG, backward_shared_bytes
+
+    needed = backward_shared_bytes(WIDE_HEAD_BACKWARD_CONFIG, 256, 2)
+    assert needed == 2 * 32 * 256 * 2 + 2 * 64 * (2 * 256 * 2 + 8)  # Triton's own count on the H200
+    assert heuristic_backward_config(256, torch.bfloat16, needed) == WIDE_HEAD_BACKWARD_CONFIG
+    assert heuristic_backward_config(192, torch.float16, 227 * 1024) == WIDE_HEAD_BACKWARD_CONFIG
+    assert heuristic_backward_config(256, torch.bfloat16, needed - 1) == BackwardConfig(32, 32, 4, 1)
+    assert heuristic_backward_config(256, torch.float32, 227 * 1024) == BackwardConfig(16, 16, 4, 1)
+    assert heuristic_backward_config(128, torch.bfloat16, 227 * 1024) == BackwardConfig(64, 64, 4, 2)
 
 
 FAKE_GPU = "Fake GPU"

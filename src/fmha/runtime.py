@@ -45,6 +45,13 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def shared_memory_per_block(device) -> int:
+    """Shared memory a kernel may ask for on a CUDA ``device`` (0 for any other device, or None)."""
+    if device is None or torch.device(device).type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
 @functools.lru_cache(maxsize=None)
 def compute_capability(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":

@@ -126,7 +126,7 @@ def run_tune(args) -> int:
                                                                  case.seqlen_k))
         if shape.kernel == "fwd":
             candidates += hopper_candidates(case, dtype, device)
-        heuristic = heuristic_config(shape.kernel, case.head_dim, dtype, case.seqlen_q)
+        heuristic = heuristic_config(shape.kernel, case.head_dim, dtype, case.seqlen_q, device)
         default = _default_choice(shape, case, dtype, device)
         extra = [c for c in (heuristic, default) if c is not None and c not in candidates]
         plans[shape] = (case, candidates + list(dict.fromkeys(extra)), heuristic, default)

@@ -16,6 +16,7 @@ import torch
 from ..backends.triton.config import ForwardConfig, heuristic_backward_config, heuristic_forward_config
 from ..backends.triton.launch import launch_backward, launch_forward
 from ..params import AttentionParams
+from ..runtime import shared_memory_per_block
 from ..testing import random_qkv, relative_error, time_ms
 from . import store
 from .key import ShapeKey, device_key
@@ -33,8 +34,8 @@ def attention_flops(kernel: str, params: AttentionParams) -> float:
 
 
 def problem_for(device, dtype: torch.dtype, head_dim: int, seqlen_q: int, seqlen_k: int | None = None) -> Problem:
-    shared = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    return Problem(head_dim, torch.empty((), dtype=dtype).element_size(), seqlen_q, shared, seqlen_k)
+    return Problem(head_dim, torch.empty((), dtype=dtype).element_size(), seqlen_q, shared_memory_per_block(device),
+                   seqlen_k)
 
 
 class Trial(NamedTuple):
@@ -86,7 +87,7 @@ def _backward_trial(params: AttentionParams) -> Trial:
     # The heuristic's gradients are the reference: the GPU tests hold them to the float64 rule,
     # and a float64 autograd of long sequences would cost more than the whole search.
     try:
-        expected = run(heuristic_backward_config(params.head_dim, dtype))
+        expected = run(heuristic_backward_config(params.head_dim, dtype, shared_memory_per_block(params.device)))
     except Exception as failure:  # then nothing can be checked: every candidate is recorded failed
         expected = failure
 

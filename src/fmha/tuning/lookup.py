@@ -21,7 +21,7 @@ import torch
 from ..backends.gluon_sm90.schedule import HopperSchedule
 from ..backends.triton.config import BackwardConfig, ForwardConfig, heuristic_backward_config, heuristic_forward_config
 from ..params import AttentionOptions, AttentionParams
-from ..runtime import compute_capability, multiprocessors
+from ..runtime import compute_capability, multiprocessors, shared_memory_per_block
 from . import store
 from .autotune import tune_and_store
 from .key import ShapeKey, device_key, gpu_name, length_bucket
@@ -115,10 +115,11 @@ def params_of(device, dtype, head_dim, causal, q_heads, kv_heads, seqlen_q, seql
     return AttentionParams(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, torch.device(device), options)
 
 
-def heuristic_config(kernel: str, head_dim: int, dtype: torch.dtype, seqlen_q: int) -> ForwardConfig:
-    """The kernel's fallback when nothing is cached or shipped."""
+def heuristic_config(kernel: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, device=None) -> ForwardConfig:
+    """The kernel's fallback when nothing is cached or shipped (the backward's depends on the
+    ``device``'s shared memory at wide heads)."""
     if kernel == "bwd":
-        return heuristic_backward_config(head_dim, dtype)
+        return heuristic_backward_config(head_dim, dtype, shared_memory_per_block(device))
     return heuristic_forward_config(head_dim, dtype, seqlen_q)
 
 
@@ -136,7 +137,7 @@ def _resolve(kernel: str, params: AttentionParams, autotune=None) -> tuple[Forwa
         config = tune_and_store(kernel, params)
         if config is not None:
             return config, "autotuned"
-    return heuristic_config(kernel, params.head_dim, params.dtype, params.seqlen_q), "heuristic"
+    return heuristic_config(kernel, params.head_dim, params.dtype, params.seqlen_q, params.device), "heuristic"
 
 
 def _config_class(kernel: str) -> type[ForwardConfig] | None:

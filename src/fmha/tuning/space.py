@@ -14,7 +14,7 @@ from typing import Callable
 
 import triton
 
-from ..backends.triton.config import BackwardConfig, ForwardConfig, padded_head_dim
+from ..backends.triton.config import BackwardConfig, ForwardConfig, backward_shared_bytes, padded_head_dim
 
 BLOCK_M_CHOICES = (16, 32, 64, 128, 256)
 BLOCK_N_CHOICES = (32, 64, 128)
@@ -31,7 +31,6 @@ MAX_LIVE_FP32_PER_THREAD = 192
 THREADS_PER_WARP = 32
 # Hopper's shared memory per block when no device is visible (the CPU, --dry-run).
 DEFAULT_SHARED_MEMORY = 227 * 1024
-LSE_DELTA_BYTES = 2 * 4  # one fp32 LSE and one fp32 delta per streamed query row
 
 
 @dataclass(frozen=True)
@@ -105,15 +104,9 @@ PRUNING_RULES = (rule_block_m_within_query, rule_full_mma_rows, rule_rows_per_wa
 
 
 def backward_shared_memory_bytes(config: BackwardConfig, problem: Problem) -> int:
-    """The dK/dV kernel: K and V tiles resident, Q and dO tiles with their LSE and delta per stage.
-
-    The dQ kernel swaps the roles (Q and dO resident, K and V streamed) and streams no row
-    statistics, so this also bounds it.
-    """
-    block_d = padded_head_dim(problem.head_dim)
-    resident = 2 * config.block_n * block_d * problem.element_size
-    streamed = config.num_stages * config.block_m * (2 * block_d * problem.element_size + LSE_DELTA_BYTES)
-    return resident + streamed
+    """The dK/dV kernel: K and V tiles resident, Q and dO tiles with their LSE and delta per stage
+    (:func:`fmha.backends.triton.config.backward_shared_bytes`)."""
+    return backward_shared_bytes(config, problem.head_dim, problem.element_size)
 
 
 def rule_backward_shared_memory(config: BackwardConfig, problem: Problem) -> str | None:

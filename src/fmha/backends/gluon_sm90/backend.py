@@ -11,7 +11,8 @@ from ...runtime import INTERPRETED, compute_capability
 from ...tuning import lookup
 from .schedule import HopperSchedule
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+BACKWARD_HEAD_DIMS = (64, 128)
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +69,7 @@ class HopperBackend:
         if params.dtype not in (torch.float16, torch.bfloat16):
             return f"needs float16 or bfloat16, got {params.dtype}"
         if params.head_dim not in SUPPORTED_HEAD_DIMS:
-            return f"head dim {params.head_dim} is not built (64 or 128)"
+            return f"head dim {params.head_dim} is not built (64, 128 or 256)"
         if options.scale <= 0:
             return "needs a positive scale (it is folded into exp2 after the row max)"
         if options.layout not in ("dense", "varlen"):
@@ -104,6 +105,8 @@ class HopperBackend:
             return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
+        if params.head_dim not in BACKWARD_HEAD_DIMS:
+            return f"head dim {params.head_dim} is not built for the backward (64 or 128)"
         reason = attn_mask_refusal(attn_mask) or self.refusal(params, *tensors[1:4])
         if reason is not None:
             return reason

@@ -812,7 +812,7 @@ def _consumer_tile(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr,
-    ROW_SUM_MMA: gl.constexpr, words,
+    ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr, words,
 ):
     """One tile of a consumer: its 64 rows' output and LSE. ``step``: the program's step, or with
     DYNAMIC the tile itself (and a packed tile's :func:`_sequence_words` from the load warp);
@@ -913,7 +913,8 @@ def _consumer_tile(
             acc, row_sum = warpgroup_mma_wait(0, deps=(acc, row_sum))
             slot_barriers.signal(_v_slot_barrier(last_slot, STAGES), _slot_threads(CONSUMERS))
         row_sum = _row_sums(row_sum, s_rows, ROW_SUM_MMA)
-        mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
+        if not OUTPUT_IN_Q:
+            mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
 
         # Rows that saw no key: output 0 and LSE -inf, never 0/0.
         seen = row_sum > 0.0
@@ -951,6 +952,11 @@ def _consumer_tile(
                             seq_q)
         else:  # the descriptor clips rows past the end
             _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, row0, 0])
+        if OUTPUT_IN_Q:  # the output has left the Q buffer (the issuing thread waits, the others
+            # wait for it): the load warp may refill it
+            tma.store_wait(0)
+            cta_barrier()
+            mbarrier.arrive(q_free.index(q_slot), count=1)
         ring_position += end - start
         tile_count += 1
     return ring_position, tile_count
@@ -964,7 +970,7 @@ def _consumer_partition(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
-    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
+    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr,
 ):
     num_tiles, seqlen_k, score_args = shared[10], shared[15], shared[19]
     TURN: gl.constexpr = CONSUMER if PINGPONG else -1
@@ -983,7 +989,7 @@ def _consumer_partition(
                 ring_position, tile_count = _consumer_tile(
                     tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
                     STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
-                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, words)
+                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, words)
                 handed += 1
                 tile, words = take_tile(tile_slots, handed)
         else:
@@ -992,7 +998,7 @@ def _consumer_partition(
                 ring_position, tile_count = _consumer_tile(
                     tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
                     STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
-                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, ())
+                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, ())
                 handed += 1
                 tile = take_tile(tile_slots, handed)
     else:
@@ -1000,7 +1006,7 @@ def _consumer_partition(
             ring_position, tile_count = _consumer_tile(
                 step, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
                 HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
-                MASK_KEYS, PACK_P, ROW_SUM_MMA, ())
+                MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, ())
     if TURN == 0:  # take consumer 1's last turn: no named barrier is left half-arrived
         _take_turn(TURN)
     tma.store_wait(0)
@@ -1017,7 +1023,7 @@ def attention_forward_hopper_kernel(
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
-    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
+    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; with DYNAMIC they take them
     from the int32 counter at TileCounter (zero at launch, and zero again at the end) instead, one at a time, longest first; descriptors are (B, H, S, D)
@@ -1037,12 +1043,18 @@ def attention_forward_hopper_kernel(
     (SDPA's attn_mask of (batch, head) at ``Mask + batch · stride_mb + head · stride_mh``, strides
     in elements; BOOL_MASK: int8, 0 hides the key; FLOAT_MASK: added to the scores; MASK_KEYS: how
     its keys lie, :data:`fmha.backends.gluon_sm90.scores.PAIRED_MASK_KEYS` and the others). ROW_SUM_MMA:
-    the row sums from the tensor cores (:func:`_summed_rows`; with DROPOUT of P before the keep masks)."""
+    the row sums from the tensor cores (:func:`_summed_rows`; with DROPOUT of P before the keep masks).
+    OUTPUT_IN_Q (one Q buffer): each consumer stages its output in its Q buffer, released to the
+    load warp once the output has left (D = 256, where a staging tile of its own does not fit)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
-    ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype)
+    ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype, OUTPUT_IN_Q)
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+    if OUTPUT_IN_Q:
+        gl.static_assert(Q_BUFFERS == 1)
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -1085,30 +1097,30 @@ def attention_forward_hopper_kernel(
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
              (_consumer_partition, (shared, tile_slots, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))

@@ -182,7 +182,7 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "PINGPONG": takes_turns(schedule, features), "PACK_P": schedule.pack_p,
                  "MASK": features.mask_constexpr,
                  "MASK_KEYS": features.mask_keys,
-                 "ROW_SUM_MMA": schedule.row_sum_mma}
+                 "ROW_SUM_MMA": schedule.row_sum_mma, "OUTPUT_IN_Q": schedule.output_in_q(head_dim)}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",

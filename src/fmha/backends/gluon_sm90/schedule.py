@@ -19,6 +19,9 @@ MAX_STAGES_WITH_TURNS = 3
 # tests/test_hopper_kernel.py checks the boundary). 64-key blocks at D = 64 need the least.
 MIN_CONSUMER_REGISTERS = {(64, 64): 104}
 DEFAULT_MIN_CONSUMER_REGISTERS = 160
+# Keys per block a head dim builds with: at D = 256, 128-key blocks' scores and probabilities
+# next to the accumulator overflow the consumers' registers.
+HEAD_DIM_BLOCK_N = {256: (64,)}
 # Shared memory a CTA may ask for on sm_90 (227 KiB), and what the kernel's mbarriers take beyond
 # its tiles (under 400 bytes in every build).
 SHARED_MEMORY_PER_CTA = 227 * 1024
@@ -114,13 +117,24 @@ class HopperSchedule:
 
     def shared_bytes(self, head_dim: int) -> int:
         """Shared memory of a CTA (16-bit elements): each consumer's Q buffers and output staging
-        tile, the K and V ring, and the barriers."""
-        rows = CONSUMER_ROWS * self.consumers * (self.q_buffers + 1) + 2 * self.stages * self.block_n
+        tile (none where the output goes through the Q buffer), the K and V ring, and the barriers."""
+        staging = 0 if self.output_in_q(head_dim) else 1
+        rows = CONSUMER_ROWS * self.consumers * (self.q_buffers + staging) + 2 * self.stages * self.block_n
         return 2 * head_dim * rows + BARRIER_BYTES
+
+    def output_in_q(self, head_dim: int) -> bool:
+        """Whether each consumer stages its output in its Q buffer, which its tile no longer reads
+        once the last Q·Kᵀ is done: with one Q buffer, where a tile of its own would not fit (D = 256).
+        The next tile's Q then loads after the output has left."""
+        rows = CONSUMER_ROWS * self.consumers * (self.q_buffers + 1) + 2 * self.stages * self.block_n
+        return self.q_buffers == 1 and 2 * head_dim * rows + BARRIER_BYTES > SHARED_MEMORY_PER_CTA
 
     def build_refusal(self, head_dim: int) -> str | None:
         """Why this schedule cannot be built for ``head_dim`` (None: it can): its consumers' share
         of the registers is under what the kernel needs, or its tiles overflow shared memory."""
+        block_ns = HEAD_DIM_BLOCK_N.get(head_dim, (64, 128))
+        if self.block_n not in block_ns:
+            return f"{self.text()}: head dim {head_dim} builds with block_n in {block_ns}"
         registers = register_budget(self.consumers, self.ctas_per_sm, self.row_sum_mma)[1]
         needed = MIN_CONSUMER_REGISTERS.get((head_dim, self.block_n), DEFAULT_MIN_CONSUMER_REGISTERS)
         if registers < needed:

@@ -160,11 +160,12 @@ def masked_scores(scores, qk_scale, mask_tile, MASK: gl.constexpr):
 
 
 @gluon.constexpr_function
-def alibi_form(alibi, softcap, dtype):
+def alibi_form(alibi, softcap, dtype, output_in_q=False):
     """The ALIBI a forward consumer runs: ALIBI_CAUSAL_MMA in place of ALIBI_CAUSAL where the key
     term can join the scores before anything else touches them (no softcap: ALiBi follows its
-    tanh) and in bf16, whose range holds ``slope · j / scale`` for any slope and scale."""
-    if alibi == 2 and not softcap and dtype == gl.bfloat16:
+    tanh) and in bf16, whose range holds ``slope · j / scale`` for any slope and scale, and where
+    the output staging tile that holds its operands is not the Q buffer (``output_in_q``)."""
+    if alibi == 2 and not softcap and dtype == gl.bfloat16 and not output_in_q:
         return 3
     return alibi
 

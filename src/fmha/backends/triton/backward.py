@@ -294,7 +294,7 @@ def backward_dq_kernel(
     stride_dqm = wide_stride(stride_dqm, WIDE_OFFSETS)
     total_q = seqlen_q  # the dropout counters' row numbering (packed: the total)
     past_end, m_block, batch, head, q_start, k_start, seqlen_q, seqlen_k, lo, hi = program_block(
-        Tiles, CuSeqlensQ, CuSeqlensK, num_q_heads, seqlen_q, seqlen_k, lo, hi, tl.cdiv(seqlen_q, BLOCK_N), VARLEN)
+        Tiles, CuSeqlensQ, CuSeqlensK, num_q_heads, seqlen_q, seqlen_k, lo, hi, tl.cdiv(seqlen_q, BLOCK_M), VARLEN)
     if past_end:
         return
     q_start = tl.cast(q_start, tl.int64)

@@ -257,9 +257,27 @@ def _heuristic_forward_config(head_dim: int, dtype: torch.dtype, seqlen_q_bucket
     return ForwardConfig(block_m, block_n, config.num_warps, config.num_stages)
 
 
+# Fp32 row statistics (LSE and delta) a streamed query row of the dK/dV kernel brings along.
+ROW_STATISTICS_BYTES = 2 * 4
+# Wide heads where shared memory holds them (an H100 or H200's 227 KiB a block): 64 rows streamed
+# past 32 resident keys, two stages. H200 sweep at D = 256 (benchmarks/results/d256_session39/):
+# 1.75x the narrow tiles below, causal or not.
+WIDE_HEAD_BACKWARD_CONFIG = BackwardConfig(64, 32, 4, 2)
+
+
+def backward_shared_bytes(config: BackwardConfig, head_dim: int, element_size: int) -> int:
+    """Shared memory of the dK/dV kernel: its resident K and V tiles, and the streamed Q and dO
+    tiles with their row statistics per stage. The dQ kernel swaps the roles and streams no
+    statistics, so this also bounds it."""
+    block_d = padded_head_dim(head_dim)
+    resident = 2 * config.block_n * block_d * element_size
+    return resident + config.num_stages * config.block_m * (2 * block_d * element_size + ROW_STATISTICS_BYTES)
+
+
 @functools.lru_cache(maxsize=None)
-def heuristic_backward_config(head_dim: int, dtype: torch.dtype) -> BackwardConfig:
-    """The dK/dV kernel keeps K, V, dK and dV of BLOCK_N keys live: wide heads get small tiles."""
+def heuristic_backward_config(head_dim: int, dtype: torch.dtype, shared_memory: int = 0) -> BackwardConfig:
+    """The dK/dV kernel keeps K, V, dK and dV of BLOCK_N keys live: wide heads get small tiles, or
+    :data:`WIDE_HEAD_BACKWARD_CONFIG` where the device's ``shared_memory`` a block holds them."""
     block_d = padded_head_dim(head_dim)
     if dtype == torch.float32:
         return BackwardConfig(32, 32, 4, 1) if block_d <= 128 else BackwardConfig(16, 16, 4, 1)
@@ -267,4 +285,7 @@ def heuristic_backward_config(head_dim: int, dtype: torch.dtype) -> BackwardConf
         # H100 sweep at D=128 (benchmarks/results/h100_backward_config_sweep.json): 64x64 with
         # 4 warps and 2 stages was best of 16, at 2.1x the same tiles with 8 warps.
         return BackwardConfig(64, 64, 4, 2)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    if backward_shared_bytes(WIDE_HEAD_BACKWARD_CONFIG, head_dim, element_size) <= shared_memory:
+        return WIDE_HEAD_BACKWARD_CONFIG
     return BackwardConfig(32, 32, 4, 1)
