@@ -34,7 +34,7 @@ from fmha.testing import (assert_close_to_reference, assert_grads_close, check_k
                           random_kvcache, random_paged_varlen, random_qkv)
 
 LENGTHS = [1, 2, 17, 64, 127, 128, 129, 300, 640, 1000, 1536, 2049]
-HEAD_DIMS = [64, 64, 64, 128, 128, 128, 16, 32, 40, 80, 96, 112, 160, 192, 256]
+HEAD_DIMS = [64, 64, 64, 128, 128, 128, 256, 256, 16, 32, 40, 80, 96, 112, 160, 192, 256]
 WINDOW_SIDES = [None, None, None, 0, 1, 63, 256, 1024]
 MAX_PAIRS = 6e7  # B * Hq * Sq * Sk, so that the float64 reference stays small
 DEVICE = os.environ.get("FMHA_RANDOM_CALLS_DEVICE", "cuda")  # "cpu": the interpreter, to try a replay
@@ -82,7 +82,8 @@ def draw_dense(rng):
     # portable forward for short calls).
     case["schedule"] = rng.choice([None, None, None, {}, {"q_buffers": 2}, {"q_buffers": 2, "pack_p": True},
                                    {"q_buffers": 2, "row_sum_mma": True}, {"q_buffers": 2, "pingpong": 0},
-                                   {"consumers": 3, "q_buffers": 2, "row_sum_mma": True}])
+                                   {"consumers": 3, "q_buffers": 2, "row_sum_mma": True},
+                                   {"block_n": 64, "pack_p": True}, {"block_n": 64, "dynamic": True, "pack_p": True}])
     return case
 
 

@@ -1,6 +1,8 @@
 """Sliding windows on the GPU (marker ``gpu``): forward and backward over windows, causal, GQA,
 head dims and lengths, with bf16 against float64 (the project's error rule)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -11,8 +13,9 @@ from .helpers import assert_close_to_reference, assert_grads_close, random_qkv
 
 pytestmark = pytest.mark.gpu
 
-# (left, right): the issue's widths as causal-style windows, a symmetric window, a right-only one
-WINDOWS = [(0, 0), (1, 0), (63, 0), (256, 0), (1024, 0), (4096, 0), (100, 100), (None, 7)]
+# (left, right): the issue's widths as causal-style windows, a symmetric window, a right-only and a
+# left-only one
+WINDOWS = [(0, 0), (1, 0), (63, 0), (256, 0), (1024, 0), (4096, 0), (100, 100), (None, 7), (300, None)]
 LENGTHS = [(1, 4096), (1000, 1000), (1000, 4096), (4096, 1000)]
 
 
@@ -49,6 +52,20 @@ def test_window_backward_gpu(window, head_dim, seqlen_q, seqlen_k, causal):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert_grads_close(grads, q, k, v, dout, window=visible_window(seqlen_q, seqlen_k, *window, causal))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_left_only_windows_run_the_gluon_forward_gpu(head_dim):
+    """A left bound and none on the right, not causal: the Gluon forward builds it (its masked blocks
+    then test each row against the end of K alone on the right) and runs it, with no fallback."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is built for sm_90")
+    q, k, v = inputs(2000, 2000, head_dim, 11)
+    assert fmha.explain(q, k, v, window=(300, None)).backend == "gluon_sm90"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a build failure would warn and run the portable kernel
+        out, lse = fmha.attention(q, k, v, window=(300, None), return_lse=True)
+    assert_close_to_reference(out, q, k, v, window=Window.of(2000, 2000, left=300), lse=lse, atol=1e-5)
 
 
 def test_window_gradients_are_deterministic_gpu():

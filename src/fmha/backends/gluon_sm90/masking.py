@@ -65,7 +65,7 @@ def columns_within(first, last, columns0, HAS_FIRST: gl.constexpr):
 def visible_block(rows, keys0, seqlen_k, lo, hi, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """:func:`visible` for rows ``rows`` ([M]) and block-relative keys ``keys0`` (``arange(0, N)``;
     seqlen_k, lo and hi shifted by the block's first key) through :func:`columns_within`."""
-    last = seqlen_k - 1
+    last = gl.zeros_like(rows) + (seqlen_k - 1)  # one per row, with or without a right bound
     if HAS_RIGHT:
         last = gl.minimum(rows + hi, last)
     return columns_within(rows[:, None] + lo, last[:, None], keys0, HAS_LEFT)
