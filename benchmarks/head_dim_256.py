@@ -28,6 +28,7 @@ from fmha.masking import Window
 from fmha.params import attention_params
 from fmha.testing import assert_close_to_reference, random_qkv, time_ms
 from fmha.tools.bench.cases import Case
+from fmha.tools.bench.metrics import visible_pairs
 from fmha.tools.bench.peers import PEERS
 from fmha.tools.bench.runner import environment
 
@@ -98,14 +99,6 @@ def with_backward(forward, q, k, v):
     return run
 
 
-def visible_pairs(seqlen, causal, window):
-    pairs = seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
-    if window is not None:
-        left = window[0]
-        pairs = sum(min(i, left) + 1 for i in range(seqlen))
-    return pairs
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="d256.json")
@@ -117,7 +110,9 @@ def main():
         payload["correctness_failures"] = check_schedules()
     for label, batch, hq, hkv, seqlen, causal, extra in CASES:
         q, k, v = random_qkv(batch, hq, hkv, seqlen, seqlen, HEAD_DIM, torch.bfloat16, device="cuda", layout="bshd")
-        flops = 4 * batch * hq * HEAD_DIM * visible_pairs(seqlen, causal, extra.get("window"))
+        left = extra.get("window", (None, None))[0]
+        window = Window.of(seqlen, seqlen, left=left, right=0) if causal else None
+        flops = 4 * batch * hq * HEAD_DIM * visible_pairs(seqlen, seqlen, window)
         params = attention_params("head_dim_256", q, k, v, causal=causal, **extra)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
