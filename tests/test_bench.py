@@ -90,8 +90,15 @@ def test_parse_shape_reads_the_causal_field_and_round_trips():
     assert parse_shape("2,8,2,100,300,80") == Case(2, 8, 2, 100, 300, 80)
     assert parse_shape(" 2, 8, 2, 100, 300, 80, Causal ").causal is True
     assert parse_shape("2,8,2,100,300,80,full").causal is False
-    for case in suite_cases(["seeds", "std", "decode"]):
+    for case in suite_cases(["seeds", "std", "decode", "wide"]):
         assert parse_shape(case.shape_text) == Case(**{**case.to_dict(), "per_head": False})
+
+
+def test_the_wide_suite_holds_the_std_tokens_at_head_dim_256():
+    wide, std = suite_cases(["wide"]), suite_cases(["std"])
+    assert {case.head_dim for case in wide} == {256} and len(wide) == len(std) // 2 == 6
+    tokens = {case.batch * case.seqlen_q * case.q_heads * case.head_dim for case in wide + std}
+    assert tokens == {16384 * 2048}
 
 
 def test_cases_validate_themselves():

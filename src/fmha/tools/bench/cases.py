@@ -163,9 +163,18 @@ def seeds(modes=("fwd",)) -> list[Case]:
 
 def std(modes=("fwd",)) -> list[Case]:
     """D in {64, 128}, H = 2048 / D, S in {1k, 4k, 16k}, B = 16384 / S, causal and not."""
+    return _tokens_by_heads(modes, (64, 128))
+
+
+def wide(modes=("fwd",)) -> list[Case]:
+    """D = 256 (Gemma's heads) as std: H = 8, S in {1k, 4k, 16k}, B = 16384 / S, causal and not."""
+    return _tokens_by_heads(modes, (256,))
+
+
+def _tokens_by_heads(modes, head_dims) -> list[Case]:
     cases = []
     for mode in modes:
-        for head_dim in (64, 128):
+        for head_dim in head_dims:
             for causal in (False, True):
                 for seqlen in (1024, 4096, 16384):
                     heads = 2048 // head_dim
@@ -212,9 +221,9 @@ def features(modes=("fwd",)) -> list[Case]:
     return cases
 
 
-SUITES = {"seeds": seeds, "std": std, "decode": decode, "features": features}
+SUITES = {"seeds": seeds, "std": std, "decode": decode, "features": features, "wide": wide}
 # Suites of plain attention: what `fmha tune` keys on (it tunes neither windows nor packed sequences).
-PLAIN_SUITES = ("seeds", "std", "decode")
+PLAIN_SUITES = ("seeds", "std", "decode", "wide")
 
 
 def suite_lines(names=tuple(SUITES)) -> list[str]:
