@@ -21,6 +21,7 @@ from ..backends.gluon_sm90.schedule import HopperSchedule
 from ..backends.triton.config import ForwardConfig
 from .. import dispatch
 from ..params import attention_params
+from ..runtime import shared_memory_per_block
 from ..tuning import lookup, store
 from ..tuning.autotune import best_of, measure_candidates, problem_for, winner_record
 from ..tuning.key import ShapeKey, device_key, gpu_name
@@ -94,7 +95,7 @@ def keyed_cases(args) -> dict[ShapeKey, object]:
 def dry_run(args, console: Console) -> int:
     dtype = DTYPES[args.dtype]
     element_size = torch.empty((), dtype=dtype).element_size()
-    shared = (torch.cuda.get_device_properties(0).shared_memory_per_block_optin if torch.cuda.is_available()
+    shared = (shared_memory_per_block(torch.device("cuda", 0)) if torch.cuda.is_available()
               else DEFAULT_SHARED_MEMORY)
     if "bwd" in KERNEL_CHOICES[args.kernel]:
         console.print("tiles read BLOCK_M×BLOCK_N; in the backward BLOCK_N rows are resident, BLOCK_M rows streamed")
