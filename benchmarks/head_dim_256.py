@@ -11,7 +11,6 @@ SDPA's. Cases: H = 2048 / D, B = 16384 / S as in the ``std`` suite, and Gemma 2'
 """
 
 import argparse
-import dataclasses
 import itertools
 import json
 import statistics
@@ -99,6 +98,35 @@ def with_backward(forward, q, k, v):
     return run
 
 
+def timed_rows(runs: dict, flops: float, rounds: int) -> dict:
+    """TFLOP/s of each run per round, the runs interleaved; a run named "... fwd+bwd" counts 3.5
+    times the forward's FLOPs; a run that raises is reported by its error."""
+    rows = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            if isinstance(rows[name], str):
+                continue
+            try:
+                ms, _ = time_ms(run)
+                rows[name].append((3.5 if name.endswith("fwd+bwd") else 1.0) * flops / ms / 1e9)
+            except Exception as exc:  # noqa: BLE001 - a peer that refuses the shape is reported
+                rows[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return rows
+
+
+def report_rows(label: str, default: str, rows: dict) -> dict:
+    """Print one case's table; its JSON record (medians, and the errors of runs that raised)."""
+    print(f"\n{label}  (default: {default})", flush=True)
+    for name, values in rows.items():
+        text = values if isinstance(values, str) else (
+            f"{statistics.median(values):6.1f} TFLOP/s  ({', '.join(f'{x:.1f}' for x in values)})")
+        print(f"  {name:<28} {text}", flush=True)
+    return {"case": label, "default": default,
+            "tflops": {name: None if isinstance(values, str) else statistics.median(values)
+                       for name, values in rows.items()},
+            "errors": {name: values for name, values in rows.items() if isinstance(values, str)}}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="d256.json")
@@ -130,28 +158,11 @@ def main():
         q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
         training = {f"{name} fwd+bwd": with_backward(runs[name], q, k, v)
                     for name in ("fmha", "sdpa_flash", "sdpa_cudnn") if name in runs}
-        rows = {name: [] for name in [*runs, *training]}
         explanation = fmha.explain(q, k, v, causal=causal, **extra)
-        for _ in range(args.rounds):
-            for name, run in [*runs.items(), *training.items()]:
-                try:
-                    ms, _ = time_ms(run)
-                    rows[name].append((3.5 if name.endswith("fwd+bwd") else 1.0) * flops / ms / 1e9)
-                except Exception as exc:  # noqa: BLE001 - a peer that refuses the shape is reported
-                    rows[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        print(f"\n{label}  (default: {explanation.backend} {explanation.config})", flush=True)
-        for name, values in rows.items():
-            if isinstance(values, str):
-                print(f"  {name:<24} {values}", flush=True)
-            else:
-                print(f"  {name:<24} {statistics.median(values):6.1f} TFLOP/s  ({', '.join(f'{x:.1f}' for x in values)})",
-                      flush=True)
-        payload["rows"].append({"case": label, "batch": batch, "q_heads": hq, "kv_heads": hkv, "seqlen": seqlen,
-                                "causal": causal, "extra": {key: str(value) for key, value in extra.items()},
-                                "default": f"{explanation.backend} {explanation.config}",
-                                "tflops": {name: (statistics.median(values) if not isinstance(values, str) else None)
-                                           for name, values in rows.items()},
-                                "errors": {name: values for name, values in rows.items() if isinstance(values, str)}})
+        record = report_rows(label, f"{explanation.backend} {explanation.config}",
+                             timed_rows({**runs, **training}, flops, args.rounds))
+        payload["rows"].append({**record, "batch": batch, "q_heads": hq, "kv_heads": hkv, "seqlen": seqlen,
+                                "causal": causal, "extra": {key: str(value) for key, value in extra.items()}})
         del q, k, v
         with open(args.out, "w") as handle:
             json.dump(payload, handle, indent=1)

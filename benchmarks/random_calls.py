@@ -28,13 +28,14 @@ import torch
 
 import fmha
 from fmha import ops
+from fmha.backends.gluon_sm90.schedule import tile_head_dim
 from fmha.backends.triton.launch import dropout_keep_mask, kernel_dropout_p
 from fmha.masking import Window
 from fmha.testing import (assert_close_to_reference, assert_grads_close, check_kvcache, check_paged_varlen,
                           random_kvcache, random_paged_varlen, random_qkv)
 
 LENGTHS = [1, 2, 17, 64, 127, 128, 129, 300, 640, 1000, 1536, 2049]
-HEAD_DIMS = [64, 64, 64, 128, 128, 128, 256, 256, 16, 32, 40, 80, 96, 112, 160, 192, 256]
+HEAD_DIMS = [64, 64, 64, 128, 128, 128, 256, 256, 8, 16, 24, 32, 40, 48, 80, 96, 112, 136, 160, 192, 200, 256]
 WINDOW_SIDES = [None, None, None, 0, 1, 63, 256, 1024]
 MAX_PAIRS = 6e7  # B * Hq * Sq * Sk, so that the float64 reference stays small
 DEVICE = os.environ.get("FMHA_RANDOM_CALLS_DEVICE", "cuda")  # "cpu": the interpreter, to try a replay
@@ -105,7 +106,7 @@ def run_dense(case):
         kwargs["dropout_p"] = case["dropout_p"]
     if case.get("schedule") is not None and torch.cuda.get_device_capability() == (9, 0):
         schedule = fmha.HopperSchedule(**case["schedule"])
-        if not schedule.build_refusal(case["head_dim"]):
+        if tile_head_dim(case["head_dim"]) and not schedule.build_refusal(tile_head_dim(case["head_dim"])):
             try:
                 fmha.explain(q, k, v, config=schedule, **kwargs)
                 kwargs["config"] = schedule

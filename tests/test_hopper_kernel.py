@@ -17,6 +17,7 @@ import fmha.testing
 from fmha import HopperSchedule
 from fmha.backends.gluon_sm90 import backend as hopper_backend
 from fmha.backends.gluon_sm90 import launch
+from fmha.backends.gluon_sm90 import schedule as schedule_module
 from fmha.backends.gluon_sm90.schedule import MAX_STAGES_WITH_TURNS, PINGPONG_OFF, PINGPONG_ON
 from fmha.backends.gluon_sm90.scores import ALIBI_ANY, ALIBI_CAUSAL
 from fmha.params import attention_params
@@ -491,6 +492,11 @@ def test_shipped_rules_follow_the_measurements():
         assert schedules.shipped_schedule(params, "sm_90", 132)[0] == expected, (head_dim, causal, features)
     schedule, rule = schedules.shipped_schedule(params_of(8, 1024, 64, False), "sm_80", 108)
     assert schedule is None and "sm_80" in rule
+    # head dims between the tile widths take their tile width's rules; 32 and under the portable kernel
+    assert plan(4096, 96, causal=False, batch=4) == plan(4096, 128, causal=False, batch=4)
+    assert plan(4096, 48, causal=True, batch=4) == plan(4096, 64, causal=True, batch=4)
+    assert plan(4096, 192, causal=True, batch=4) == HopperSchedule(persistent=True, block_n=64, pack_p=True)
+    assert plan(4096, 32, causal=False, batch=4) is None and plan(4096, 16, causal=True, batch=4) is None
     # SDPA's attn_mask: bool masks at D = 128 take 64-key blocks, float ones the portable kernel
     q = torch.empty(1, dtype=torch.bfloat16).expand(4, 16, 4096, 128)
     masked = {kind: schedules.shipped_schedule(attention_params("test", q, q, q, attn_mask_kind=kind), "sm_90", 132)[0]
@@ -516,7 +522,7 @@ def test_mask_keys_layout_picks_the_build_from_the_strides():
     assert launch.mask_keys_layout(transposed) == STRIDED_MASK_KEYS.value
 
 
-@pytest.mark.parametrize("reason, pattern", [("dtype", "float16 or bfloat16"), ("head_dim", "head dim 96"),
+@pytest.mark.parametrize("reason, pattern", [("dtype", "float16 or bfloat16"), ("head_dim", "head dim 100 is not a multiple of 8"),
                                              ("scale", "positive scale"), ("stride", "TMA"),
                                              ("registers", "leaves 40 registers a consumer thread"),
                                              ("shared", "bytes of shared memory")])
@@ -536,10 +542,11 @@ def test_refusals_name_the_reason(monkeypatch, reason, pattern):
         return hopper_backend.HopperBackend().refusal(params, q, q, q)
 
     assert refusal(tensor()) is None
+    assert refusal(tensor(shape=(1, 2, 128, 96))) is None  # run at the 128-wide tiles
     if reason == "dtype":
         found = refusal(tensor(dtype=torch.float32))
     elif reason == "head_dim":
-        found = refusal(tensor(shape=(1, 2, 128, 96)))
+        found = refusal(tensor(shape=(1, 2, 128, 104))[..., :100])  # rows 16-byte aligned, the width not
     elif reason == "scale":
         found = refusal(tensor(), scale=-0.125)
     elif reason == "registers":  # an explicit schedule the compiler could not build
@@ -707,3 +714,23 @@ def test_bounded_softcap_builds_keep_no_running_max(hopper_builds):
         online, bounded = (hopper_builds[",".join(map(str, schedule + (kind,)))] for kind in ("softcap", "softcap_bounded"))
         assert online["counts"]["FMNMX"] > 256
         assert bounded["counts"]["FMNMX"] <= online["counts"]["FMNMX"] // 8  # the emulated exponentials' clamp
+
+
+@pytest.mark.parametrize("head_dim, tile", [(8, 64), (64, 64), (72, 128), (96, 128), (128, 128), (136, 256),
+                                            (256, 256), (264, None)])
+def test_head_dims_round_up_to_a_tile_width(head_dim, tile):
+    assert schedule_module.tile_head_dim(head_dim) == tile
+    assert schedule_module.tile_head_dim(head_dim, schedule_module.BACKWARD_TILE_HEAD_DIMS) == (
+        tile if tile is not None and tile <= 128 else None)
+
+
+def test_the_backward_refuses_head_dims_over_its_widest_tile(monkeypatch):
+    monkeypatch.setattr(hopper_backend, "INTERPRETED", False)
+    monkeypatch.setattr(hopper_backend, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(hopper_backend, "gluon_unavailable", lambda: None)
+    for head_dim, refused in ((96, False), (136, True)):
+        q = torch.empty((1, 2, 128, head_dim), dtype=torch.bfloat16)
+        params = attention_params("test", q, q, q)
+        params = dataclasses.replace(params, device=torch.device("cuda", 0))
+        reason = hopper_backend.HopperBackend().backward_refusal(params, *[q] * 7)
+        assert (reason is not None and "wider than the widest tile built (128)" in reason) == refused, reason

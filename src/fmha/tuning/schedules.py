@@ -4,7 +4,10 @@
 GPU of it (docs/perf.md, "The Hopper kernel"). A rule's ``when`` tests the call; the first rule
 that matches gives the schedule, or ``null`` for the portable kernel. Conditions:
 
-* ``head_dim``, ``causal`` (a right window bound), ``varlen`` (packed sequences): equal;
+* ``head_dim``: the tiles' head dim (the call's rounded up to 64, 128 or 256,
+  :func:`fmha.backends.gluon_sm90.schedule.tile_head_dim`) is equal;
+* ``head_dim_below``: the call's own head dim is under;
+* ``causal`` (a right window bound), ``varlen`` (packed sequences): equal;
 * ``seqlen_q_from`` / ``seqlen_q_below``: the query length is at least / under;
 * ``flops_below``: 4·B·Hq·Sq·Sk·D is under (the 128-row tiles would idle);
 * ``tiles_per_sm_below``: 128-row tiles per multiprocessor are under (the grid would not fill the GPU);
@@ -24,7 +27,7 @@ import functools
 import json
 from pathlib import Path
 
-from ..backends.gluon_sm90.schedule import HopperSchedule, softcap_kind
+from ..backends.gluon_sm90.schedule import HopperSchedule, softcap_kind, tile_head_dim
 from ..params import AttentionParams
 
 SCHEDULES_FILE = Path(__file__).parent / "defaults" / "schedules.json"
@@ -48,7 +51,8 @@ def _matches(when: dict, params: AttentionParams, multiprocessors: int) -> bool:
     tiles = params.batch * params.q_heads * -(-params.seqlen_q // 128)
     flops = 4 * params.batch * params.q_heads * params.seqlen_q * params.seqlen_k * params.head_dim
     tests = {
-        "head_dim": lambda value: params.head_dim == value,
+        "head_dim": lambda value: tile_head_dim(params.head_dim) == value,
+        "head_dim_below": lambda value: params.head_dim < value,
         "causal": lambda value: params.causal == value,
         "varlen": lambda value: params.varlen == value,
         "seqlen_q_from": lambda value: params.seqlen_q >= value,

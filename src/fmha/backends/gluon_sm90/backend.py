@@ -9,10 +9,7 @@ import torch
 from ...params import AttentionParams
 from ...runtime import INTERPRETED, compute_capability
 from ...tuning import lookup
-from .schedule import HopperSchedule
-
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-BACKWARD_HEAD_DIMS = (64, 128)
+from .schedule import BACKWARD_TILE_HEAD_DIMS, HopperSchedule, head_dim_refusal, tile_head_dim
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,8 +65,9 @@ class HopperBackend:
             return f"needs sm_90 (Hopper); this GPU is sm_{major}{minor}"
         if params.dtype not in (torch.float16, torch.bfloat16):
             return f"needs float16 or bfloat16, got {params.dtype}"
-        if params.head_dim not in SUPPORTED_HEAD_DIMS:
-            return f"head dim {params.head_dim} is not built (64, 128 or 256)"
+        reason = head_dim_refusal(params.head_dim)
+        if reason is not None:
+            return reason
         if options.scale <= 0:
             return "needs a positive scale (it is folded into exp2 after the row max)"
         if options.layout not in ("dense", "varlen"):
@@ -78,7 +76,7 @@ class HopperBackend:
             if not _tma_strides_ok(tensor):
                 return f"{name}'s strides or base address cannot be described to TMA (16-byte multiples, unit last stride)"
         if options.backend == self.name:
-            reason = HopperSchedule.from_ints(options.config).build_refusal(params.head_dim)
+            reason = HopperSchedule.from_ints(options.config).build_refusal(tile_head_dim(params.head_dim))
             if reason is not None:
                 return reason
         return gluon_unavailable()
@@ -105,8 +103,9 @@ class HopperBackend:
             return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
-        if params.head_dim not in BACKWARD_HEAD_DIMS:
-            return f"head dim {params.head_dim} is not built for the backward (64 or 128)"
+        reason = head_dim_refusal(params.head_dim, BACKWARD_TILE_HEAD_DIMS)
+        if reason is not None:
+            return f"the backward: {reason}"
         reason = attn_mask_refusal(attn_mask) or self.refusal(params, *tensors[1:4])
         if reason is not None:
             return reason
@@ -119,4 +118,5 @@ class HopperBackend:
     def prepare_backward(self, params: AttentionParams):
         from .backward_launch import HopperBackward, default_backward_schedule
 
-        return HopperBackward(params, default_backward_schedule(params.head_dim))
+        tile_dim = tile_head_dim(params.head_dim, BACKWARD_TILE_HEAD_DIMS)
+        return HopperBackward(params, default_backward_schedule(tile_dim))

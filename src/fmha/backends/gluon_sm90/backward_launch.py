@@ -21,6 +21,7 @@ from ..triton.launch import TileList, tma_compatible, window_bounds
 from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
 from .launch import (_MASK_POINTER_TYPES, _MASK_STRIDE_ARGS, NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout,
                      build_gluon, score_arguments)
+from .schedule import BACKWARD_TILE_HEAD_DIMS, tile_head_dim
 
 KEYS_PER_CONSUMER = CONSUMER_KEYS.value
 
@@ -116,7 +117,7 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                            schedule: HopperBackwardSchedule, compute_dq: bool = True,
                            features: ScoreFeatures = NO_FEATURES, varlen: bool = False):
     """The Gluon backward's compile source for one static configuration, and its constexpr values
-    (``features.sinks`` changes nothing in the kernel: the LSE counts them; ``varlen``: packed
+    (``head_dim``: the tiles' width, :func:`fmha.backends.gluon_sm90.schedule.tile_head_dim`; ``features.sinks`` changes nothing in the kernel: the LSE counts them; ``varlen``: packed
     sequences; ``features.dropout``: the forward's pattern, regenerated)."""
     element = "bf16" if dtype == torch.bfloat16 else "fp16"
 
@@ -190,7 +191,8 @@ class _RowLaunches:
 def _row_launches(head_dim: int, wide_offsets: bool) -> _RowLaunches:
     """New handles per call signature (HopperBackward), whose integers stay fixed: a few keys each;
     ``wide_offsets``: 64-bit row strides (:func:`fmha.runtime.spans_wide_offsets`)."""
-    per_row = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=ROWS_BLOCK, WIDE_OFFSETS=wide_offsets)
+    per_row = dict(HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=ROWS_BLOCK,
+                   WIDE_OFFSETS=wide_offsets)
     return _RowLaunches(CachedLaunch(backward_rows_kernel, per_row, num_warps=4, **COMPILE_OPTIONS),
                         CachedLaunch(sinks_grad_kernel, dict(BLOCK=1024, LSE_LOG2=True), **COMPILE_OPTIONS),
                         CachedLaunch(finish_dq_kernel, per_row, num_warps=4, **COMPILE_OPTIONS))
@@ -206,8 +208,9 @@ class HopperBackward:
     def __init__(self, params: AttentionParams, schedule: HopperBackwardSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
         features = ScoreFeatures.of(params.options)
-        built = compiled_hopper_backward(params.device, params.dtype, params.head_dim, has_left, has_right,
-                                         schedule, features=features, varlen=params.varlen)
+        tile_dim = tile_head_dim(params.head_dim, BACKWARD_TILE_HEAD_DIMS)
+        built = compiled_hopper_backward(params.device, params.dtype, tile_dim, has_left, has_right, schedule,
+                                         features=features, varlen=params.varlen)
         if isinstance(built, KernelBuildError):
             raise built
         self.params, self.schedule, self.device = params, schedule, params.device

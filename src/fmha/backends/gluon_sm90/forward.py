@@ -787,9 +787,9 @@ def _store_output(out, staging, o_desc, coordinates):
 
 
 @gluon.jit
-def _store_rows(out, staging, base, stride_row, row0, num_rows):
-    """Rows row0 + i < num_rows of a tile, through the staging buffer (no room for another) and
-    plain stores."""
+def _store_rows(out, staging, base, stride_row, row0, num_rows, num_columns):
+    """Rows row0 + i < num_rows, columns under num_columns (the call's head dim, which the tile's
+    may exceed), of a tile, through the staging buffer (no room for another) and plain stores."""
     ROWS: gl.constexpr = out.shape[0]
     COLUMNS: gl.constexpr = out.shape[1]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -802,7 +802,7 @@ def _store_rows(out, staging, base, stride_row, row0, num_rows):
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     columns = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
     pointers = base + rows.to(gl.int64)[:, None] * stride_row + columns[None, :]
-    gl.store(pointers, out, mask=rows[:, None] < num_rows)
+    gl.store(pointers, out, mask=(rows[:, None] < num_rows) & (columns[None, :] < num_columns))
 
 
 @gluon.jit
@@ -949,7 +949,7 @@ def _consumer_tile(
             else:  # the sequence ends inside the tile: its rows only (the next sequence's follow)
                 _store_rows(out.to(dtype), o_smem.index(CONSUMER),
                             Out + q_start.to(gl.int64) * stride_om + head.to(gl.int64) * stride_oh, stride_om, row0,
-                            seq_q)
+                            seq_q, o_desc.shape[3])
         else:  # the descriptor clips rows past the end
             _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, row0, 0])
         if OUTPUT_IN_Q:  # the output has left the Q buffer (the issuing thread waits, the others

@@ -20,7 +20,7 @@ from .forward import WIDE_LEFT, attention_forward_hopper_kernel
 from .scores import (ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF, BOOL_MASK, FLOAT_MASK, NO_MASK, PAIRED_MASK_KEYS,
                      SOFTCAP_BOUNDED, SOFTCAP_OFF, SOFTCAP_RUNNING, STRIDED_MASK_KEYS, UNIT_MASK_KEYS)
 from .schedule import (CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule, register_budget,
-                       softcap_kind)
+                       softcap_kind, tile_head_dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,7 +162,7 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                           has_left: int = 0, varlen: bool = False, features: ScoreFeatures = NO_FEATURES):
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
-    ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one (HAS_LEFT,
+    ``head_dim``: the tiles' width (:func:`fmha.backends.gluon_sm90.schedule.tile_head_dim`); ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one (HAS_LEFT,
     :func:`left_bound`: 1, or WIDE_LEFT for a wide window);
     ``varlen``: packed sequences; ``features``: softcap, ALiBi, sinks, dropout and the attn_mask.
 
@@ -273,7 +273,7 @@ class HopperForward:
         has_left, has_right, lo, hi = window_bounds(params)
         self.schedule, self.device, self.varlen = schedule, params.device, params.varlen
         features = ScoreFeatures.forward_of(params)
-        self.build = (params.device, params.dtype, params.head_dim, has_right, schedule,
+        self.build = (params.device, params.dtype, tile_head_dim(params.head_dim), has_right, schedule,
                       left_bound(params, schedule), params.varlen, features)
         built = compiled_hopper_forward(*self.build)
         if isinstance(built, KernelBuildError):

@@ -19,6 +19,28 @@ MAX_STAGES_WITH_TURNS = 3
 # tests/test_hopper_kernel.py checks the boundary). 64-key blocks at D = 64 need the least.
 MIN_CONSUMER_REGISTERS = {(64, 64): 104}
 DEFAULT_MIN_CONSUMER_REGISTERS = 160
+# Head dims the kernels' tiles are built for. A call's head dim is rounded up to the next of them:
+# its tensors' descriptors keep the call's width, so the bulk copies fill the columns past it with
+# zeros (which add nothing to Q·Kᵀ and give zero output columns) and the stores leave them out.
+# The bulk copies step rows in 16-byte multiples, so the head dim must be a multiple of 8.
+TILE_HEAD_DIMS = (64, 128, 256)
+BACKWARD_TILE_HEAD_DIMS = (64, 128)
+
+
+def tile_head_dim(head_dim: int, tile_dims: tuple[int, ...] = TILE_HEAD_DIMS) -> int | None:
+    """The tile width a head dim runs at: the smallest of ``tile_dims`` at or above it (None: too wide)."""
+    return next((tile for tile in tile_dims if head_dim <= tile), None)
+
+
+def head_dim_refusal(head_dim: int, tile_dims: tuple[int, ...] = TILE_HEAD_DIMS) -> str | None:
+    """Why a kernel built for ``tile_dims`` cannot take this head dim (None: it can)."""
+    if head_dim % 8:
+        return f"head dim {head_dim} is not a multiple of 8 (the bulk copies step rows in 16-byte multiples)"
+    if tile_head_dim(head_dim, tile_dims) is None:
+        return f"head dim {head_dim} is wider than the widest tile built ({tile_dims[-1]})"
+    return None
+
+
 # Keys per block a head dim builds with: at D = 256, 128-key blocks' scores and probabilities
 # next to the accumulator overflow the consumers' registers.
 HEAD_DIM_BLOCK_N = {256: (64,)}
