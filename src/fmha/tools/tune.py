@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..backends.gluon_sm90.backend import HopperBackend
-from ..backends.gluon_sm90.schedule import HopperSchedule
+from ..backends.gluon_sm90.schedule import HopperSchedule, tile_head_dim
 from ..backends.triton.config import ForwardConfig
 from .. import dispatch
 from ..params import attention_params
@@ -56,7 +56,8 @@ def hopper_candidates(case, dtype, device) -> list[HopperSchedule]:
     params = attention_params("fmha tune", q, k, k, causal=case.causal)
     if HopperBackend().refusal(params, q, k, k) is not None:
         return []
-    return [schedule for schedule in HOPPER_CANDIDATES if schedule.build_refusal(case.head_dim) is None]
+    tile_dim = tile_head_dim(case.head_dim)
+    return [schedule for schedule in HOPPER_CANDIDATES if schedule.build_refusal(tile_dim) is None]
 
 
 def _params(case, dtype, device):
