@@ -90,7 +90,7 @@ def test_parse_shape_reads_the_causal_field_and_round_trips():
     assert parse_shape("2,8,2,100,300,80") == Case(2, 8, 2, 100, 300, 80)
     assert parse_shape(" 2, 8, 2, 100, 300, 80, Causal ").causal is True
     assert parse_shape("2,8,2,100,300,80,full").causal is False
-    for case in suite_cases(["seeds", "std", "decode", "wide"]):
+    for case in suite_cases(["seeds", "std", "decode", "wide", "dims"]):
         assert parse_shape(case.shape_text) == Case(**{**case.to_dict(), "per_head": False})
 
 
@@ -99,6 +99,12 @@ def test_the_wide_suite_holds_the_std_tokens_at_head_dim_256():
     assert {case.head_dim for case in wide} == {256} and len(wide) == len(std) // 2 == 6
     tokens = {case.batch * case.seqlen_q * case.q_heads * case.head_dim for case in wide + std}
     assert tokens == {16384 * 2048}
+
+
+def test_the_dims_suite_holds_head_dims_between_the_tile_widths():
+    cases = suite_cases(["dims"])
+    assert len(cases) == 12 and {case.causal for case in cases} == {False, True}
+    assert all(case.head_dim not in (64, 128, 256) and case.head_dim % 8 == 0 for case in cases)
 
 
 def test_cases_validate_themselves():

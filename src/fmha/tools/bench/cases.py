@@ -171,6 +171,16 @@ def wide(modes=("fwd",)) -> list[Case]:
     return _tokens_by_heads(modes, (256,))
 
 
+# Head dims of models between the kernels' tile widths (Phi-3's 96; Stable Diffusion's 80 and 160, ...).
+BETWEEN_TILE_HEAD_DIMS = (32, 48, 80, 96, 160, 192)
+
+
+def dims(modes=("fwd",)) -> list[Case]:
+    """Head dims between 64, 128 and 256 (32-192): B4 H16 S4k, causal and not."""
+    return [Case(4, 16, 16, 4096, 4096, head_dim, causal, mode)
+            for mode in modes for head_dim in BETWEEN_TILE_HEAD_DIMS for causal in (False, True)]
+
+
 def _tokens_by_heads(modes, head_dims) -> list[Case]:
     cases = []
     for mode in modes:
@@ -221,9 +231,9 @@ def features(modes=("fwd",)) -> list[Case]:
     return cases
 
 
-SUITES = {"seeds": seeds, "std": std, "decode": decode, "features": features, "wide": wide}
+SUITES = {"seeds": seeds, "std": std, "decode": decode, "features": features, "wide": wide, "dims": dims}
 # Suites of plain attention: what `fmha tune` keys on (it tunes neither windows nor packed sequences).
-PLAIN_SUITES = ("seeds", "std", "decode", "wide")
+PLAIN_SUITES = ("seeds", "std", "decode", "wide", "dims")
 
 
 def suite_lines(names=tuple(SUITES)) -> list[str]:
