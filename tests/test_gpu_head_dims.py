@@ -9,6 +9,7 @@ import torch
 
 import fmha
 from fmha.backends.gluon_sm90.schedule import tile_head_dim
+from fmha.masking import Window
 
 from .helpers import assert_close_to_reference, assert_grads_close, random_qkv
 from .test_gpu_varlen import as_bhsd, check_packed_grads, spans
@@ -16,7 +17,7 @@ from .test_gpu_varlen import as_bhsd, check_packed_grads, spans
 pytestmark = pytest.mark.gpu
 
 FORWARD_HEAD_DIMS = [8, 32, 48, 80, 96, 112, 136, 160, 192, 248]
-BACKWARD_HEAD_DIMS = [8, 32, 48, 80, 96, 112]
+BACKWARD_HEAD_DIMS = [8, 32, 48, 80, 96, 112, 136, 160, 192, 248, 256]
 # The shipped rules' schedule of each tile width without score features (tuning/defaults/schedules.json).
 SCHEDULES = {64: dict(persistent=True, q_buffers=2, emulated_exp2=8), 128: dict(persistent=True, q_buffers=2),
              256: dict(persistent=True, block_n=64, pack_p=True)}
@@ -67,17 +68,23 @@ def test_gluon_forward_between_tile_widths_with_score_features_gpu(head_dim):
                               sinks=sinks, lse=lse, atol=1e-5)
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (None, 0), (300, 0), (200, None), (100, 100)],
+                         ids=lambda window: "dense" if window is None else f"window{window[0]}-{window[1]}")
 @pytest.mark.parametrize("head_dim", BACKWARD_HEAD_DIMS)
-def test_gluon_backward_between_tile_widths_gpu(head_dim, causal):
-    q, k, v = wide_qkv(head_dim, torch.bfloat16, seqlen_q=1000, seqlen_k=1000, grad=True, seed=head_dim + 2)
-    params = fmha.params.attention_params("test", q, k, v, causal=causal)
+def test_gluon_backward_between_tile_widths_gpu(head_dim, window):
+    """The Gluon backward at every tile width (the 256-wide one over D = 128), GQA, Sq != Sk,
+    causal and windows, against float64."""
+    q, k, v = wide_qkv(head_dim, torch.bfloat16, seqlen_q=1000, seqlen_k=1100, grad=True, seed=head_dim + 2)
+    causal = window == (None, 0)
+    window = None if causal else window
+    params = fmha.params.attention_params("test", q, k, v, causal=causal, window=window)
     hopper, reason = fmha.dispatch.hopper_backward(params, q, q, k, v, q, k, v)
     assert hopper is not None, reason
-    out = fmha.attention(q, k, v, causal=causal)
+    out = fmha.attention(q, k, v, causal=causal, window=window)
     dout = in_wider_buffer(torch.randn_like(out))
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert_grads_close(grads, q, k, v, dout, causal_offset=0 if causal else None)
+    left, right = window if window is not None else (None, 0 if causal else None)
+    assert_grads_close(grads, q, k, v, dout, window=Window.of(1000, 1100, left=left, right=right))
 
 
 @pytest.mark.parametrize("head_dim", [48, 96, 192])

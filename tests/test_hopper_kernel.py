@@ -720,17 +720,25 @@ def test_bounded_softcap_builds_keep_no_running_max(hopper_builds):
                                             (256, 256), (264, None)])
 def test_head_dims_round_up_to_a_tile_width(head_dim, tile):
     assert schedule_module.tile_head_dim(head_dim) == tile
-    assert schedule_module.tile_head_dim(head_dim, schedule_module.BACKWARD_TILE_HEAD_DIMS) == (
-        tile if tile is not None and tile <= 128 else None)
+    assert schedule_module.tile_head_dim(head_dim, schedule_module.BACKWARD_TILE_HEAD_DIMS) == tile
 
 
-def test_the_backward_refuses_head_dims_over_its_widest_tile(monkeypatch):
+@pytest.mark.parametrize("head_dim, features, refusal", [
+    (96, {}, None), (96, dict(softcap=30.0), None), (136, {}, None), (256, dict(sinks=True), None),
+    (136, dict(softcap=30.0), "no softcap, ALiBi, dropout or attn_mask"),
+    (256, dict(dropout_p=0.1), "no softcap, ALiBi, dropout or attn_mask"),
+    (192, dict(alibi=True), "no softcap, ALiBi, dropout or attn_mask")])
+def test_the_wide_backward_takes_calls_without_score_features(monkeypatch, head_dim, features, refusal):
+    """Head dims over 128 run the 256-wide tiles' backward (backward_wide.py) where a call has no
+    score feature but the sinks; the others take the portable backward."""
     monkeypatch.setattr(hopper_backend, "INTERPRETED", False)
     monkeypatch.setattr(hopper_backend, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(hopper_backend, "gluon_unavailable", lambda: None)
-    for head_dim, refused in ((96, False), (136, True)):
-        q = torch.empty((1, 2, 128, head_dim), dtype=torch.bfloat16)
-        params = attention_params("test", q, q, q)
-        params = dataclasses.replace(params, device=torch.device("cuda", 0))
-        reason = hopper_backend.HopperBackend().backward_refusal(params, *[q] * 7)
-        assert (reason is not None and "wider than the widest tile built (128)" in reason) == refused, reason
+    q = torch.empty((1, 2, 128, head_dim), dtype=torch.bfloat16)
+    options = dict(softcap=features.get("softcap"), dropout_p=features.get("dropout_p", 0.0),
+                   sinks=torch.zeros(2) if features.get("sinks") else None,
+                   alibi_slopes=torch.ones(2) if features.get("alibi") else None)
+    params = attention_params("test", q, q, q, **options)
+    params = dataclasses.replace(params, device=torch.device("cuda", 0))
+    reason = hopper_backend.HopperBackend().backward_refusal(params, *[q] * 7)
+    assert reason == refusal if refusal is None else refusal in reason

@@ -296,7 +296,7 @@ def explain(q, k, v, **kwargs) -> dispatch.Explanation:
         # The gradients are allocated like q, k and v, and dout like the output.
         hopper, reason = dispatch.hopper_backward(params, q, q, k, v, q, k, v)
         if hopper is not None:
-            return dataclasses.replace(explanation, backward=f"gluon_sm90 {hopper.schedule.text()}")
+            return dataclasses.replace(explanation, backward=f"gluon_sm90 {hopper.text()}")
         portable += f"; not gluon_sm90: {reason}"
     return dataclasses.replace(explanation, backward=portable)
 

@@ -11,6 +11,8 @@ from ...runtime import INTERPRETED, compute_capability
 from ...tuning import lookup
 from .schedule import BACKWARD_TILE_HEAD_DIMS, HopperSchedule, head_dim_refusal, tile_head_dim
 
+WIDE_TILE_HEAD_DIM = 256  # the backward's widest tiles: backward_wide.py, without score features
+
 
 @functools.lru_cache(maxsize=None)
 def gluon_unavailable() -> str | None:
@@ -106,6 +108,11 @@ class HopperBackend:
         reason = head_dim_refusal(params.head_dim, BACKWARD_TILE_HEAD_DIMS)
         if reason is not None:
             return f"the backward: {reason}"
+        if tile_head_dim(params.head_dim, BACKWARD_TILE_HEAD_DIMS) == WIDE_TILE_HEAD_DIM:
+            if options.scores_modified or options.dropout_p > 0.0:
+                return "the backward of head dims over 128 takes no softcap, ALiBi, dropout or attn_mask"
+            if params.varlen:
+                return "the backward of head dims over 128 takes no packed sequences"
         reason = attn_mask_refusal(attn_mask) or self.refusal(params, *tensors[1:4])
         if reason is not None:
             return reason
@@ -116,7 +123,9 @@ class HopperBackend:
         return None
 
     def prepare_backward(self, params: AttentionParams):
-        from .backward_launch import HopperBackward, default_backward_schedule
+        from .backward_launch import HopperBackward, HopperWideBackward, default_backward_schedule
 
         tile_dim = tile_head_dim(params.head_dim, BACKWARD_TILE_HEAD_DIMS)
+        if tile_dim == WIDE_TILE_HEAD_DIM:
+            return HopperWideBackward(params)
         return HopperBackward(params, default_backward_schedule(tile_dim))

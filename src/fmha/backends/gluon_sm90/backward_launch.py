@@ -17,6 +17,7 @@ from ...params import AttentionParams
 from ...runtime import CachedLaunch, KernelBuildError, multiprocessors, run_compiled, spans_wide_offsets
 from ..triton.backward import sinks_grad_kernel
 from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
+from ..triton.forward import LOG2_E
 from ..triton.launch import TileList, tma_compatible, window_bounds
 from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
 from .launch import (_MASK_POINTER_TYPES, _MASK_STRIDE_ARGS, NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout,
@@ -234,6 +235,9 @@ class HopperBackward:
                          seqlen_k, lo, hi, num_tiles, threshold, params.options.scale,
                          *features.scalars(params.options), dropout_factor, *constants)
 
+    def text(self) -> str:
+        return self.schedule.text()
+
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
                  scores=None) -> None:
         p = self.params
@@ -273,3 +277,95 @@ class HopperBackward:
                       *packed_strides, stride_ab, stride_ah, *mask_strides, *self.integers))
         launches.finish_dq((-(-seqlen_q // ROWS_BLOCK) * batch * p.q_heads,), q.device, dq_accum, dq, *dq.stride(),
                            p.q_heads, seqlen_q, self.padded_q, p.options.scale)
+
+
+# The backward of the 256-wide tiles (fmha.backends.gluon_sm90.backward_wide): 64 keys a program,
+# two consumers of 128 columns each, one CTA a multiprocessor.
+WIDE_TILE_HEAD_DIM = 256
+WIDE_BLOCK_M = 64
+WIDE_DQ_COLUMNS = 64
+
+
+def hopper_wide_backward_source(dtype: torch.dtype, has_left: bool, has_right: bool, head_group: int):
+    """The 256-wide backward's compile source for one static configuration, and its constexpr values."""
+    from .backward_wide import attention_backward_wide_kernel
+
+    element = "bf16" if dtype == torch.bfloat16 else "fp16"
+
+    def descriptor_type(rows: int) -> str:
+        return (f"tensordesc<{element}[1,1,{rows},{WIDE_TILE_HEAD_DIM}],"
+                f"{_shared_layout(rows, WIDE_TILE_HEAD_DIM, dtype)!r}>")
+
+    constants = {"BLOCK_M": WIDE_BLOCK_M, "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "HEAD_GROUP": head_group}
+    signature = {"q_desc": descriptor_type(WIDE_BLOCK_M), "k_desc": descriptor_type(KEYS_PER_CONSUMER),
+                 "v_desc": descriptor_type(KEYS_PER_CONSUMER), "do_desc": descriptor_type(WIDE_BLOCK_M),
+                 "dq_desc": f"tensordesc<fp32[1,1,{WIDE_BLOCK_M},{WIDE_DQ_COLUMNS}],"
+                            f"{_accumulator_layout(WIDE_BLOCK_M, WIDE_DQ_COLUMNS)!r}>",
+                 "DK": f"*{element}", "DV": f"*{element}", "Lse2": "*fp32", "Delta": "*fp32",
+                 **dict.fromkeys(("stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh", "stride_dvn"),
+                                 "i64"),
+                 **dict.fromkeys(("padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo",
+                                  "hi", "num_tiles", "head_dim"), "i32"),
+                 "scale": "fp32", "qk_scale": "fp32", **dict.fromkeys(constants, "constexpr")}
+    assert list(signature) == attention_backward_wide_kernel.arg_names
+    return GluonASTSource(attention_backward_wide_kernel, signature, constants), tuple(constants.values())
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_hopper_wide_backward(device: torch.device, dtype: torch.dtype, has_left: bool, has_right: bool,
+                                  head_group: int):
+    """Compiled once per device and static configuration; a failed build returns a
+    :class:`fmha.runtime.KernelBuildError` (remembered), and the portable backward runs."""
+    return build_gluon(device, lambda: hopper_wide_backward_source(dtype, has_left, has_right, head_group),
+                       hopper_backward_options(HopperBackwardSchedule()), "backward of 256-wide tiles")
+
+
+class HopperWideBackward:
+    """The 256-wide tiles' Gluon backward for one call signature; calling it writes dq, dk and dv,
+    and with sinks ``scores.sinks_grad``."""
+
+    __slots__ = ("compiled", "grid", "integers", "device", "padded_q", "rows_grid", "params", "row_launches")
+
+    def __init__(self, params: AttentionParams):
+        has_left, has_right, lo, hi = window_bounds(params)
+        head_group = 4 if has_right and not has_left else 0
+        built = compiled_hopper_wide_backward(params.device, params.dtype, has_left, has_right, head_group)
+        if isinstance(built, KernelBuildError):
+            raise built
+        self.params, self.device = params, params.device
+        self.compiled, constants = built
+        self.grid = -(-params.seqlen_k // KEYS_PER_CONSUMER) * params.batch * params.kv_heads
+        self.padded_q = -(-params.seqlen_q // 128) * 128
+        self.row_launches = {}  # by dout's strides
+        self.rows_grid = (self.padded_q // ROWS_BLOCK * params.batch * params.q_heads,)
+        self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, params.seqlen_q,
+                         params.seqlen_k, lo, hi, self.grid, params.head_dim, params.options.scale,
+                         params.options.scale * LOG2_E, *constants)
+
+    @staticmethod
+    def text() -> str:
+        return "backward of 256-wide tiles (64 keys a program, two consumers of 128 columns)"
+
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
+                 scores=None) -> None:
+        p = self.params
+        rows = p.batch * p.q_heads * self.padded_q
+        head_dim = p.head_dim
+        # The LSE (log2), delta, the dQ buffer and an unread counter, as HopperBackward lays them out.
+        scratch = torch.empty(rows * (2 + head_dim) + 4, device=q.device, dtype=torch.float32)
+        lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:-4]
+        counter = scratch[-4:].view(torch.int32)
+        launches = self.row_launches.get(dout.stride())
+        if launches is None:
+            launches = self.row_launches[dout.stride()] = _row_launches(head_dim, spans_wide_offsets(out, dout, dq))
+        launches.rows(self.rows_grid, q.device, out, dout, lse, delta, lse2, dq_accum, counter, *out.stride(),
+                      *dout.stride(), *lse.stride()[:2], p.q_heads, p.seqlen_q, self.padded_q)
+        if scores is not None and scores.sinks is not None:
+            launches.sinks_grad((p.q_heads,), q.device, lse2, delta, scores.sinks, scores.sinks_grad,
+                                p.q_heads * self.padded_q, self.padded_q, scores.sinks.stride(0), p.batch, p.seqlen_q)
+        accum = dq_accum.view(p.batch, p.q_heads, self.padded_q, head_dim)
+        descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, accum))
+        run_compiled(self.compiled, self.grid, self.device,
+                     (*descriptors, dk, dv, lse2, delta, *dk.stride()[:3], *dv.stride()[:3], *self.integers))
+        launches.finish_dq((-(-p.seqlen_q // ROWS_BLOCK) * p.batch * p.q_heads,), q.device, dq_accum, dq, *dq.stride(),
+                           p.q_heads, p.seqlen_q, self.padded_q, p.options.scale)

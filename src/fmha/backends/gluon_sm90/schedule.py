@@ -24,7 +24,7 @@ DEFAULT_MIN_CONSUMER_REGISTERS = 160
 # zeros (which add nothing to Q·Kᵀ and give zero output columns) and the stores leave them out.
 # The bulk copies step rows in 16-byte multiples, so the head dim must be a multiple of 8.
 TILE_HEAD_DIMS = (64, 128, 256)
-BACKWARD_TILE_HEAD_DIMS = (64, 128)
+BACKWARD_TILE_HEAD_DIMS = (64, 128, 256)
 
 
 def tile_head_dim(head_dim: int, tile_dims: tuple[int, ...] = TILE_HEAD_DIMS) -> int | None:

@@ -1,0 +1,255 @@
+"""The Hopper (sm_90) backward of the 256-wide tiles (head dims 136-256), written in Gluon.
+
+At these widths one warpgroup cannot hold dK and dV of its keys (two [64, 256] fp32 tiles are 256
+registers a thread), so the two consumer warpgroups share one block of 64 keys and split the work
+by role and by columns:
+
+* consumer 0 computes Sᵀ = K Qᵀ and Pᵀ (the masked exponentials against the forward's LSE) and
+  puts Pᵀ in shared memory; consumer 1 computes dPᵀ = V dOᵀ, reads Pᵀ, and puts
+  dSᵀ = Pᵀ ⊙ (dPᵀ − delta) in shared memory;
+* each then adds its 128 columns of dV += Pᵀ dO and dK += dSᵀ Q, and computes its 128 columns of
+  dQ = dS K (transposed, 64 columns at a time), which the bulk copy engine adds into the fp32 dQ
+  buffer (a TMA reduce-add, as in :mod:`fmha.backends.gluon_sm90.backward`).
+
+One load warp copies the block's K and V once, then Q through two slots and dO through one, for
+every query block of every query head of the GQA group that sees the keys. Key blocks that cross
+the window's edges or the end of K take the per-score mask (:mod:`fmha.backends.gluon_sm90.masking`).
+Shared memory: K, V, two Q slots and dO (160 KiB), Pᵀ and dSᵀ (16 KiB) and one dQ staging tile per
+consumer (32 KiB). No score features, packed sequences or attn_mask: those calls take the portable
+backward.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+
+from ...compat import cta_barrier, tma_load
+from .backward import _add_dq_tile, _program_block, backward_registers
+from .forward import CONSUMER_WARPS, accumulator_layout, operand_layout
+from .masking import query_blocks, visible
+
+WIDE_KEYS = gl.constexpr(64)  # keys per program, shared by both consumers
+HALF_COLUMNS = gl.constexpr(128)  # dK, dV and dQ columns per consumer
+DQ_CHUNK = gl.constexpr(64)  # dQ columns per product and reduce-add
+
+
+@gluon.constexpr_function
+def _worker_registers():
+    _, consumer, loader = backward_registers(2)
+    return [consumer, loader]
+
+
+@gluon.jit
+def _wide_load_partition(args, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         HEAD_GROUP: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, q_free, do_ready, do_free,
+     num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles) = args
+    batch, kv_head, n_block = _program_block(gl.program_id(0), num_tiles, num_kv_heads, seqlen_k, WIDE_KEYS,
+                                             HEAD_GROUP)
+    first_key = n_block * WIDE_KEYS
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [batch, kv_head, first_key, 0], kv_ready, k_smem)
+    tma_load(v_desc, [batch, kv_head, first_key, 0], kv_ready, v_smem)
+    m_start, _, _, m_end = query_blocks(first_key, WIDE_KEYS, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+    steps = (m_end - m_start) // BLOCK_M
+    for member in range(group_size):
+        head = kv_head * group_size + member
+        for step in range(steps):
+            position = member * steps + step
+            slot = position % 2
+            first_row = m_start + step * BLOCK_M
+            # A free barrier completes once per use; the first wait finds it free.
+            mbarrier.wait(q_free.index(slot), ((position // 2) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+            tma_load(q_desc, [batch, head, first_row, 0], q_ready.index(slot), q_smem.index(slot))
+            mbarrier.wait(do_free, (position & 1) ^ 1)
+            mbarrier.expect(do_ready, do_desc.block_type.nbytes)
+            tma_load(do_desc, [batch, head, first_row, 0], do_ready, do_smem)
+
+
+@gluon.jit
+def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_first, m_begin, m_stop, seqlen_k, lo,
+                hi, qk_scale, CONSUMER: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+                HAS_RIGHT: gl.constexpr):
+    """Query blocks [m_begin, m_stop) of one head (the block at row m sits at step position
+    position_base + (m - m_first) / BLOCK_M); returns the consumer's dK and dV columns."""
+    (q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, q_ready, q_free, do_ready, do_free, p_ready, p_free,
+     ds_ready, ds_free, dq_desc, Lse2, Delta) = shared
+    HEAD_DIM: gl.constexpr = k_smem.shape[3]
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = accumulator_layout(BLOCK_M)  # [WIDE_KEYS, BLOCK_M]: keys are the rows
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    a_layout: gl.constexpr = operand_layout(HALF_COLUMNS)  # Pᵀ or dSᵀ as the register A operand of dV, dK
+    COLUMN0: gl.constexpr = CONSUMER * HALF_COLUMNS
+    keys_all = k_smem.reshape([WIDE_KEYS, HEAD_DIM])
+    values_all = v_smem.reshape([WIDE_KEYS, HEAD_DIM])
+    do = do_smem.reshape([BLOCK_M, HEAD_DIM])
+    own_dq = dq_smem.index(CONSUMER)
+    no_scores = gl.zeros([WIDE_KEYS, BLOCK_M], gl.float32, layout=s_layout)
+    for m in range(m_begin, m_stop, BLOCK_M):
+        position = position_base + (m - m_first) // BLOCK_M
+        slot = position % 2
+        phase = position & 1
+        rows = m + gl.arange(0, BLOCK_M, layout=row_layout)
+        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        if CONSUMER == 0:  # Sᵀ, then Pᵀ for both consumers
+            mbarrier.wait(q_ready.index(slot), (position // 2) & 1)
+            scores_t = warpgroup_mma(keys_all, q.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+            lse = gl.load(Lse2 + rows_base + rows)  # log2 units; padded rows +inf
+            scores_t = warpgroup_mma_wait(0, deps=(scores_t,))
+            probs_t = gl.exp2(scores_t * qk_scale - lse[None, :])
+            if MASKED:
+                probs_t = gl.where(visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT),
+                                   probs_t, 0.0)
+            probs_t = probs_t.to(dtype)
+            mbarrier.wait(p_free, phase ^ 1)  # consumer 1 has read the previous Pᵀ
+            pt_smem.store(probs_t)
+            fence_async_shared()
+            cta_barrier()  # every thread's part of Pᵀ is written before the arrival
+            mbarrier.arrive(p_ready, count=1)
+            mbarrier.wait(do_ready, phase)
+            dv = warpgroup_mma(gl.convert_layout(probs_t, a_layout), do.slice(COLUMN0, HALF_COLUMNS, dim=1), dv,
+                               is_async=True)
+            mbarrier.wait(ds_ready, phase)
+            dk = warpgroup_mma(dst_smem, q.slice(COLUMN0, HALF_COLUMNS, dim=1), dk, is_async=True)
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        else:  # dPᵀ, then dSᵀ for both consumers
+            mbarrier.wait(do_ready, phase)
+            dprobs_t = warpgroup_mma(values_all, do.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+            delta = gl.load(Delta + rows_base + rows)
+            dprobs_t = warpgroup_mma_wait(0, deps=(dprobs_t,))
+            mbarrier.wait(p_ready, phase)
+            probs_t = pt_smem.load(s_layout).to(gl.float32)
+            dscores_t = (probs_t * (dprobs_t - delta[None, :])).to(dtype)
+            mbarrier.wait(ds_free, phase ^ 1)  # both consumers are done with the previous dSᵀ
+            dst_smem.store(dscores_t)
+            fence_async_shared()
+            cta_barrier()
+            mbarrier.arrive(ds_ready, count=1)
+            dv = warpgroup_mma(pt_smem, do.slice(COLUMN0, HALF_COLUMNS, dim=1), dv, is_async=True)
+            mbarrier.wait(q_ready.index(slot), (position // 2) & 1)
+            dk = warpgroup_mma(gl.convert_layout(dscores_t, a_layout), q.slice(COLUMN0, HALF_COLUMNS, dim=1), dk,
+                               is_async=True)
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+            mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(do_free, count=1)
+        mbarrier.arrive(q_free.index(slot), count=1)  # dQ reads dSᵀ and K only
+        gl.static_assert(HALF_COLUMNS == 2 * DQ_CHUNK)
+        _add_dq_tile(_dq_columns(keys_all, dst_smem, COLUMN0), own_dq, dq_desc, [batch, head, m, COLUMN0])
+        dq_t = _dq_columns(keys_all, dst_smem, COLUMN0 + DQ_CHUNK)
+        mbarrier.arrive(ds_free, count=1)  # the consumer's products that read dSᵀ are done
+        _add_dq_tile(dq_t, own_dq, dq_desc, [batch, head, m, COLUMN0 + DQ_CHUNK])
+    return dk, dv
+
+
+@gluon.jit
+def _dq_columns(keys_all, dst_smem, COLUMN0: gl.constexpr):
+    """dQᵀ = Kᵀ dSᵀ for DQ_CHUNK columns from COLUMN0: the transposed tile stores into the staging
+    buffer without bank conflicts."""
+    BLOCK_M: gl.constexpr = dst_smem.shape[1]
+    dq_t = warpgroup_mma(keys_all.slice(COLUMN0, DQ_CHUNK, dim=1).permute((1, 0)), dst_smem,
+                         gl.zeros([DQ_CHUNK, BLOCK_M], gl.float32, layout=accumulator_layout(BLOCK_M)), use_acc=False,
+                         is_async=True)
+    return warpgroup_mma_wait(0, deps=(dq_t,))
+
+
+@gluon.jit
+def _wide_consumer_partition(args, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr,
+                             HAS_RIGHT: gl.constexpr, HEAD_GROUP: gl.constexpr):
+    (shared, kv_ready, gradients, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k, lo, hi, scale,
+     qk_scale, num_tiles) = args
+    DK, DV, dk_strides, dv_strides, head_dim = gradients
+    dtype: gl.constexpr = shared[2].dtype
+    s_layout: gl.constexpr = accumulator_layout(BLOCK_M)
+    kv_layout: gl.constexpr = accumulator_layout(HALF_COLUMNS)
+    batch, kv_head, n_block = _program_block(gl.program_id(0), num_tiles, num_kv_heads, seqlen_k, WIDE_KEYS,
+                                             HEAD_GROUP)
+    first_key = n_block * WIDE_KEYS
+    keys = first_key + gl.arange(0, WIDE_KEYS, layout=gl.SliceLayout(1, s_layout))
+    m_start, full_start, full_end, m_end = query_blocks(first_key, WIDE_KEYS, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT,
+                                                        HAS_RIGHT)
+    if first_key + WIDE_KEYS > seqlen_k:  # keys past the end: every block takes the mask
+        full_end = full_start
+    steps = (m_end - m_start) // BLOCK_M
+    dk = gl.zeros([WIDE_KEYS, HALF_COLUMNS], gl.float32, layout=kv_layout)
+    dv = gl.zeros([WIDE_KEYS, HALF_COLUMNS], gl.float32, layout=kv_layout)
+    mbarrier.wait(kv_ready, 0)
+    for member in range(group_size):
+        head = kv_head * group_size + member
+        rows_base = (batch * num_q_heads + head).to(gl.int64) * padded_q
+        position_base = member * steps
+        dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, m_start,
+                             full_start, seqlen_k, lo, hi, qk_scale, CONSUMER, True, HAS_LEFT, HAS_RIGHT)
+        dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, full_start,
+                             full_end, seqlen_k, lo, hi, qk_scale, CONSUMER, False, HAS_LEFT, HAS_RIGHT)
+        dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, full_end, m_end,
+                             seqlen_k, lo, hi, qk_scale, CONSUMER, True, HAS_LEFT, HAS_RIGHT)
+    # Plain stores of the consumer's columns (once per program): keys past K's end and columns past
+    # the call's head dim are left out.
+    key_rows = first_key + gl.arange(0, WIDE_KEYS, layout=gl.SliceLayout(1, kv_layout))
+    columns = CONSUMER * HALF_COLUMNS + gl.arange(0, HALF_COLUMNS, layout=gl.SliceLayout(0, kv_layout))
+    inside = (key_rows[:, None] < seqlen_k) & (columns[None, :] < head_dim)
+    dk_base = DK + batch.to(gl.int64) * dk_strides[0] + kv_head.to(gl.int64) * dk_strides[1]
+    dv_base = DV + batch.to(gl.int64) * dv_strides[0] + kv_head.to(gl.int64) * dv_strides[1]
+    gl.store(dk_base + key_rows.to(gl.int64)[:, None] * dk_strides[2] + columns[None, :], (dk * scale).to(dtype),
+             mask=inside)
+    gl.store(dv_base + key_rows.to(gl.int64)[:, None] * dv_strides[2] + columns[None, :], dv.to(dtype), mask=inside)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_backward_wide_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, Lse2, Delta,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles, head_dim, scale, qk_scale,
+    BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_GROUP: gl.constexpr,
+):
+    """One program per (batch, KV head, block of 64 keys), num_tiles of them. Descriptors are
+    (B, H, S, D) at the tiles' width of 256 (the call's head_dim may be narrower: the copies fill
+    zeros past it): Q and dO in blocks of BLOCK_M rows, K and V of the program's keys, dQ's zeroed
+    fp32 buffer (B, Hq, padded_q, D) in [BLOCK_M, 64] blocks. Lse2 (log2 units) and Delta are flat
+    (B·Hq·padded_q) fp32 vectors (:mod:`fmha.backends.triton.backward_rows`); DK and DV take the
+    keys' gradients through their strides (the last one 1)."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    transposed_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE_KEYS, BLOCK_M], dtype)
+    pt_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, BLOCK_M], transposed_layout)
+    dst_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, BLOCK_M], transposed_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    do_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    p_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    p_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    ds_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
+    mbarrier.init(kv_ready, count=1)
+    for slot in gl.static_range(2):
+        mbarrier.init(q_ready.index(slot), count=1)
+        mbarrier.init(q_free.index(slot), count=2)  # one arrival per consumer
+    mbarrier.init(do_ready, count=1)
+    mbarrier.init(do_free, count=2)
+    mbarrier.init(p_ready, count=1)  # consumer 0 writes Pᵀ
+    mbarrier.init(p_free, count=1)  # consumer 1 reads it
+    mbarrier.init(ds_ready, count=1)  # consumer 1 writes dSᵀ
+    mbarrier.init(ds_free, count=2)  # both read it
+    shared = (q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, q_ready, q_free, do_ready, do_free,
+              p_ready, p_free, ds_ready, ds_free, dq_desc, Lse2, Delta)
+    gradients = (DK, DV, (stride_dkb, stride_dkh, stride_dkn), (stride_dvb, stride_dvh, stride_dvn), head_dim)
+    consumer_args = (shared, kv_ready, gradients, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k,
+                     lo, hi, scale, qk_scale, num_tiles)
+    load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, q_free,
+                 do_ready, do_free, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles)
+    gl.static_assert(CONSUMER_WARPS == 4)
+    gl.warp_specialize(
+        [(_wide_consumer_partition, (consumer_args, 0, BLOCK_M, HAS_LEFT, HAS_RIGHT, HEAD_GROUP)),
+         (_wide_consumer_partition, (consumer_args, 1, BLOCK_M, HAS_LEFT, HAS_RIGHT, HEAD_GROUP)),
+         (_wide_load_partition, (load_args, BLOCK_M, HAS_LEFT, HAS_RIGHT, HEAD_GROUP))],
+        worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers())
