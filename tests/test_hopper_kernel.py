@@ -720,7 +720,6 @@ def test_bounded_softcap_builds_keep_no_running_max(hopper_builds):
                                             (256, 256), (264, None)])
 def test_head_dims_round_up_to_a_tile_width(head_dim, tile):
     assert schedule_module.tile_head_dim(head_dim) == tile
-    assert schedule_module.tile_head_dim(head_dim, schedule_module.BACKWARD_TILE_HEAD_DIMS) == tile
 
 
 @pytest.mark.parametrize("head_dim, features, refusal", [

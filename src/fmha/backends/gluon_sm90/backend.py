@@ -9,7 +9,7 @@ import torch
 from ...params import AttentionParams
 from ...runtime import INTERPRETED, compute_capability
 from ...tuning import lookup
-from .schedule import BACKWARD_TILE_HEAD_DIMS, HopperSchedule, head_dim_refusal, tile_head_dim
+from .schedule import HopperSchedule, head_dim_refusal, tile_head_dim
 
 WIDE_TILE_HEAD_DIM = 256  # the backward's widest tiles: backward_wide.py, without score features
 
@@ -105,10 +105,10 @@ class HopperBackend:
             return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
-        reason = head_dim_refusal(params.head_dim, BACKWARD_TILE_HEAD_DIMS)
+        reason = head_dim_refusal(params.head_dim)
         if reason is not None:
-            return f"the backward: {reason}"
-        if tile_head_dim(params.head_dim, BACKWARD_TILE_HEAD_DIMS) == WIDE_TILE_HEAD_DIM:
+            return reason
+        if tile_head_dim(params.head_dim) == WIDE_TILE_HEAD_DIM:
             if options.scores_modified or options.dropout_p > 0.0:
                 return "the backward of head dims over 128 takes no softcap, ALiBi, dropout or attn_mask"
             if params.varlen:
@@ -125,7 +125,7 @@ class HopperBackend:
     def prepare_backward(self, params: AttentionParams):
         from .backward_launch import HopperBackward, HopperWideBackward, default_backward_schedule
 
-        tile_dim = tile_head_dim(params.head_dim, BACKWARD_TILE_HEAD_DIMS)
+        tile_dim = tile_head_dim(params.head_dim)
         if tile_dim == WIDE_TILE_HEAD_DIM:
             return HopperWideBackward(params)
         return HopperBackward(params, default_backward_schedule(tile_dim))

@@ -22,7 +22,7 @@ from ..triton.launch import TileList, tma_compatible, window_bounds
 from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
 from .launch import (_MASK_POINTER_TYPES, _MASK_STRIDE_ARGS, NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout,
                      build_gluon, score_arguments)
-from .schedule import BACKWARD_TILE_HEAD_DIMS, tile_head_dim
+from .schedule import tile_head_dim
 
 KEYS_PER_CONSUMER = CONSUMER_KEYS.value
 
@@ -209,7 +209,7 @@ class HopperBackward:
     def __init__(self, params: AttentionParams, schedule: HopperBackwardSchedule):
         has_left, has_right, lo, hi = window_bounds(params)
         features = ScoreFeatures.of(params.options)
-        tile_dim = tile_head_dim(params.head_dim, BACKWARD_TILE_HEAD_DIMS)
+        tile_dim = tile_head_dim(params.head_dim)
         built = compiled_hopper_backward(params.device, params.dtype, tile_dim, has_left, has_right, schedule,
                                          features=features, varlen=params.varlen)
         if isinstance(built, KernelBuildError):

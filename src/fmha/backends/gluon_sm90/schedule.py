@@ -24,20 +24,19 @@ DEFAULT_MIN_CONSUMER_REGISTERS = 160
 # zeros (which add nothing to Q·Kᵀ and give zero output columns) and the stores leave them out.
 # The bulk copies step rows in 16-byte multiples, so the head dim must be a multiple of 8.
 TILE_HEAD_DIMS = (64, 128, 256)
-BACKWARD_TILE_HEAD_DIMS = (64, 128, 256)
 
 
-def tile_head_dim(head_dim: int, tile_dims: tuple[int, ...] = TILE_HEAD_DIMS) -> int | None:
-    """The tile width a head dim runs at: the smallest of ``tile_dims`` at or above it (None: too wide)."""
-    return next((tile for tile in tile_dims if head_dim <= tile), None)
+def tile_head_dim(head_dim: int) -> int | None:
+    """The tile width a head dim runs at: the smallest of TILE_HEAD_DIMS at or above it (None: too wide)."""
+    return next((tile for tile in TILE_HEAD_DIMS if head_dim <= tile), None)
 
 
-def head_dim_refusal(head_dim: int, tile_dims: tuple[int, ...] = TILE_HEAD_DIMS) -> str | None:
-    """Why a kernel built for ``tile_dims`` cannot take this head dim (None: it can)."""
+def head_dim_refusal(head_dim: int) -> str | None:
+    """Why the Gluon kernels cannot take this head dim (None: they can)."""
     if head_dim % 8:
         return f"head dim {head_dim} is not a multiple of 8 (the bulk copies step rows in 16-byte multiples)"
-    if tile_head_dim(head_dim, tile_dims) is None:
-        return f"head dim {head_dim} is wider than the widest tile built ({tile_dims[-1]})"
+    if tile_head_dim(head_dim) is None:
+        return f"head dim {head_dim} is wider than the widest tile built ({TILE_HEAD_DIMS[-1]})"
     return None
 
 
