@@ -1,5 +1,6 @@
 """Head dims between the Hopper kernels' tile widths (marker ``gpu``): a head dim that is a multiple
-of 8 runs the Gluon kernels at the next tile width (64, 128 or 256; the backward up to 128), with
+of 8 runs the Gluon kernels at the next tile width (64, 128 or 256; over 128 the backward takes
+no score feature but the sinks and no packed sequences), with
 the columns past it zero-filled by the bulk copies and left out of every store. The tensors here
 are views of wider buffers whose extra columns hold NaN: a kernel that read or wrote past the head
 dim would fail."""
@@ -90,7 +91,8 @@ def test_gluon_backward_between_tile_widths_gpu(head_dim, window):
 @pytest.mark.parametrize("head_dim", [48, 96, 192])
 def test_packed_sequences_between_tile_widths_gpu(head_dim):
     """Packed sequences end inside tiles, where the forward and the backward store rows with plain
-    stores (columns past the head dim masked): forward at every width, backward up to 128."""
+    stores (columns past the head dim masked): forward at every width, the Gluon backward up to
+    128 (wider packed calls take the portable backward)."""
     lengths_q = [1500, 0, 1, 77, 300, 64, 129, 5]
     lengths_k = [1500, 3, 1, 200, 300, 64, 0, 130]
     generator = torch.Generator(device="cuda").manual_seed(head_dim)
