@@ -199,6 +199,28 @@ def _row_launches(head_dim: int, wide_offsets: bool) -> _RowLaunches:
                         CachedLaunch(finish_dq_kernel, per_row, num_warps=4, **COMPILE_OPTIONS))
 
 
+def _row_passes(row_launches: dict, rows_grid: tuple, p: AttentionParams, batch: int, seqlen_q: int, padded_q: int,
+                dout, out, lse, dq, scores):
+    """The passes before a Gluon backward: the LSE in log2 units, delta and the zeroed dQ buffer
+    (and the sinks' gradient, which needs only those). Returns ``(launches, lse2, delta, dq_accum,
+    counter)``; ``row_launches`` keeps the launch handles by dout's strides."""
+    rows = batch * p.q_heads * padded_q
+    # One allocation: the LSE (log2), delta, the dQ buffer and the tile counter, which the rows
+    # pass zeroes; rows is a multiple of 128, so every part starts 16-byte aligned for TMA.
+    scratch = torch.empty(rows * (2 + p.head_dim) + 4, device=dout.device, dtype=torch.float32)
+    lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:-4]
+    counter = scratch[-4:].view(torch.int32)
+    launches = row_launches.get(dout.stride())
+    if launches is None:
+        launches = row_launches[dout.stride()] = _row_launches(p.head_dim, spans_wide_offsets(out, dout, dq))
+    launches.rows(rows_grid, dout.device, out, dout, lse, delta, lse2, dq_accum, counter, *out.stride(),
+                  *dout.stride(), *lse.stride()[:2], p.q_heads, seqlen_q, padded_q)
+    if scores is not None and scores.sinks is not None:
+        launches.sinks_grad((p.q_heads,), dout.device, lse2, delta, scores.sinks, scores.sinks_grad,
+                            p.q_heads * padded_q, padded_q, scores.sinks.stride(0), batch, seqlen_q)
+    return launches, lse2, delta, dq_accum, counter
+
+
 class HopperBackward:
     """The Gluon backward for one call signature; calling it writes dq, dk and dv, and with sinks
     ``scores.sinks_grad`` (``scores=ScoreTensors(...)`` for calls with score features)."""
@@ -252,19 +274,8 @@ class HopperBackward:
         batch, seqlen_q = self.batch, self.seqlen_q
         rows = batch * p.q_heads * self.padded_q
         head_dim = p.head_dim
-        # One allocation: the LSE (log2), delta, the dQ buffer and the tile counter, which the rows
-        # pass zeroes; rows is a multiple of 128, so every part starts 16-byte aligned for TMA.
-        scratch = torch.empty(rows * (2 + head_dim) + 4, device=q.device, dtype=torch.float32)
-        lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:-4]
-        counter = scratch[-4:].view(torch.int32)
-        launches = self.row_launches.get(dout.stride())
-        if launches is None:
-            launches = self.row_launches[dout.stride()] = _row_launches(head_dim, spans_wide_offsets(out, dout, dq))
-        launches.rows(self.rows_grid, q.device, out, dout, lse, delta, lse2, dq_accum, counter, *out.stride(),
-                      *dout.stride(), *lse.stride()[:2], p.q_heads, seqlen_q, self.padded_q)
-        if scores is not None and scores.sinks is not None:  # needs only the LSE and delta
-            launches.sinks_grad((p.q_heads,), q.device, lse2, delta, scores.sinks, scores.sinks_grad,
-                                p.q_heads * self.padded_q, self.padded_q, scores.sinks.stride(0), batch, seqlen_q)
+        launches, lse2, delta, dq_accum, counter = _row_passes(self.row_launches, self.rows_grid, p, batch, seqlen_q,
+                                                               self.padded_q, dout, out, lse, dq, scores)
         alibi, _, (stride_ab, stride_ah, _) = score_arguments(scores, lse2)
         rng_state = lse2 if scores is None or scores.rng_state is None else scores.rng_state
         accum = dq_accum.view(batch, p.q_heads, self.padded_q, head_dim)
@@ -349,21 +360,9 @@ class HopperWideBackward:
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
                  scores=None) -> None:
         p = self.params
-        rows = p.batch * p.q_heads * self.padded_q
-        head_dim = p.head_dim
-        # The LSE (log2), delta, the dQ buffer and an unread counter, as HopperBackward lays them out.
-        scratch = torch.empty(rows * (2 + head_dim) + 4, device=q.device, dtype=torch.float32)
-        lse2, delta, dq_accum = scratch[:rows], scratch[rows:2 * rows], scratch[2 * rows:-4]
-        counter = scratch[-4:].view(torch.int32)
-        launches = self.row_launches.get(dout.stride())
-        if launches is None:
-            launches = self.row_launches[dout.stride()] = _row_launches(head_dim, spans_wide_offsets(out, dout, dq))
-        launches.rows(self.rows_grid, q.device, out, dout, lse, delta, lse2, dq_accum, counter, *out.stride(),
-                      *dout.stride(), *lse.stride()[:2], p.q_heads, p.seqlen_q, self.padded_q)
-        if scores is not None and scores.sinks is not None:
-            launches.sinks_grad((p.q_heads,), q.device, lse2, delta, scores.sinks, scores.sinks_grad,
-                                p.q_heads * self.padded_q, self.padded_q, scores.sinks.stride(0), p.batch, p.seqlen_q)
-        accum = dq_accum.view(p.batch, p.q_heads, self.padded_q, head_dim)
+        launches, lse2, delta, dq_accum, _ = _row_passes(self.row_launches, self.rows_grid, p, p.batch, p.seqlen_q,
+                                                         self.padded_q, dout, out, lse, dq, scores)
+        accum = dq_accum.view(p.batch, p.q_heads, self.padded_q, p.head_dim)
         descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, accum))
         run_compiled(self.compiled, self.grid, self.device,
                      (*descriptors, dk, dv, lse2, delta, *dk.stride()[:3], *dv.stride()[:3], *self.integers))
