@@ -4,9 +4,12 @@ Without a CUDA device the kernels run under Triton's interpreter: TRITON_INTERPR
 must be set before triton (and so fmha) is imported, which is why it happens here.
 Every floating-point ``torch.empty``/``torch.empty_like`` is filled with NaN, so an
 output element a kernel forgets to write fails the comparison instead of passing as 0.
+Each test draws its random inputs from a seed made from its own name, so a failure reproduces
+whatever ran before it, in any worker.
 """
 
 import os
+import zlib
 
 import torch
 
@@ -32,6 +35,11 @@ def _poisoned(tensor):
 def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: _poisoned(_torch_empty(*a, **kw)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _poisoned(_torch_empty_like(*a, **kw)))
+
+
+@pytest.fixture(autouse=True)
+def seed_from_test_name(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def pytest_collection_modifyitems(config, items):
