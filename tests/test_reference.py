@@ -1,4 +1,5 @@
-"""Step 1: the blockwise online softmax equals the direct softmax, in float64."""
+"""Step 1: the blockwise online softmax equals the direct softmax, in float64; the error rule's
+rounding allowance."""
 
 import numpy as np
 import pytest
@@ -96,3 +97,16 @@ def test_dense_torch_reference_matches_numpy():
         ref_out, ref_lse = direct_attention(q.numpy(), k.numpy(), v.numpy(), causal_offset=offset)
         np.testing.assert_allclose(out.numpy(), ref_out, rtol=1e-12, atol=1e-12)
         np.testing.assert_array_equal(np.isneginf(lse.numpy()), np.isneginf(ref_lse))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("value", [1e-3, 0.3, 0.7, 1.0, 1.9, 37.0])
+def test_half_ulp_is_half_the_spacing_of_the_dtypes_numbers(value, dtype):
+    """The error rule's output allowance: half the gap between the dtype's numbers around value."""
+    from fmha.testing import half_ulp
+
+    below = torch.tensor(value, dtype=dtype)
+    above = torch.nextafter(below, torch.tensor(float("inf"), dtype=dtype))
+    spacing = (above.double() - below.double()).item()
+    assert half_ulp(below.item(), dtype) == pytest.approx(spacing / 2, rel=1e-9)
+    assert half_ulp(0.0, dtype) == 0.0
