@@ -1,7 +1,6 @@
 """Head dims between the Hopper kernels' tile widths (marker ``gpu``): a head dim that is a multiple
-of 8 runs the Gluon kernels at the next tile width (64, 128 or 256; over 128 the backward takes
-no score feature but the sinks and no packed sequences), with
-the columns past it zero-filled by the bulk copies and left out of every store. The tensors here
+of 8 runs the Gluon kernels at the next tile width (64, 128 or 256), with the columns past it
+zero-filled by the bulk copies and left out of every store. The tensors here
 are views of wider buffers whose extra columns hold NaN: a kernel that read or wrote past the head
 dim would fail."""
 
@@ -91,13 +90,12 @@ def test_gluon_backward_between_tile_widths_gpu(head_dim, window):
 @pytest.mark.parametrize("head_dim", [48, 96, 192])
 def test_packed_sequences_between_tile_widths_gpu(head_dim):
     """Packed sequences end inside tiles, where the forward and the backward store rows with plain
-    stores (columns past the head dim masked): forward at every width, the Gluon backward up to
-    128 (wider packed calls take the portable backward)."""
+    stores (columns past the head dim masked), forward and backward at every width."""
     lengths_q = [1500, 0, 1, 77, 300, 64, 129, 5]
     lengths_k = [1500, 3, 1, 200, 300, 64, 0, 130]
     generator = torch.Generator(device="cuda").manual_seed(head_dim)
     q, k, v = (in_wider_buffer(torch.randn(sum(lengths), heads, head_dim, device="cuda", dtype=torch.bfloat16,
-                                           generator=generator), grad=head_dim <= 128)
+                                           generator=generator), grad=True)
                for lengths, heads in ((lengths_q, 8), (lengths_k, 2), (lengths_k, 2)))
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                   for lengths in (lengths_q, lengths_k))
@@ -110,9 +108,40 @@ def test_packed_sequences_between_tile_widths_gpu(head_dim):
             assert_close_to_reference(as_bhsd(out[rows]), as_bhsd(q[rows]), as_bhsd(k[keys]), as_bhsd(v[keys]),
                                       causal_offset=(keys.stop - keys.start) - (rows.stop - rows.start),
                                       lse=lse[:, rows].unsqueeze(0), atol=1e-5)
-    if head_dim <= 128:
-        hopper, reason = fmha.dispatch.hopper_backward(params, q, q, k, v, q, k, v)
-        assert hopper is not None, reason
-        dout = torch.randn_like(out)
-        check_packed_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, lengths_q, lengths_k,
-                           (None, None), True)
+    hopper, reason = fmha.dispatch.hopper_backward(params, q, q, k, v, q, k, v)
+    assert hopper is not None, reason
+    dout = torch.randn_like(out)
+    check_packed_grads(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, lengths_q, lengths_k,
+                       (None, None), True)
+
+
+@pytest.mark.parametrize("window", [(None, 0), (255, 0), (100, 100)],
+                         ids=lambda window: f"left{window[0]}-right{window[1]}")
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_packed_sequences_with_score_features_on_the_wide_backward_gpu(head_dim, window):
+    """Softcap and ALiBi on packed sequences in the 256-wide tiles' backward: each sequence's
+    gradients against float64 (ALiBi's positions and the window counted within the sequence)."""
+    lengths_q = [700, 0, 1, 77, 300, 129]
+    lengths_k = [900, 3, 1, 200, 300, 64]
+    generator = torch.Generator(device="cuda").manual_seed(head_dim + 5)
+    q, k, v = (torch.randn(sum(lengths), heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                           generator=generator).requires_grad_()
+               for lengths, heads in ((lengths_q, 8), (lengths_k, 2), (lengths_k, 2)))
+    slopes = torch.exp2(-8.0 * torch.arange(1, 9, device="cuda") / 8)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for lengths in (lengths_q, lengths_k))
+    features = dict(softcap=30.0, alibi_slopes=slopes)
+    params = fmha.params.varlen_params("test", q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), window=window,
+                                       **features)
+    hopper, reason = fmha.dispatch.hopper_backward(params, q, q, k, v, q, k, v)
+    assert hopper is not None, reason
+    out = fmha.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), window=window, **features)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for rows, keys in spans(lengths_q, lengths_k):
+        seqlen_q, seqlen_k = rows.stop - rows.start, keys.stop - keys.start
+        if seqlen_q == 0 or seqlen_k == 0:
+            continue
+        inputs = [as_bhsd(t.detach()) for t in (q[rows], k[keys], v[keys])]
+        assert_grads_close((as_bhsd(dq[rows]), as_bhsd(dk[keys]), as_bhsd(dv[keys])), *inputs, as_bhsd(dout[rows]),
+                           window=Window.of(seqlen_q, seqlen_k, left=window[0], right=window[1]), **features)

@@ -214,15 +214,16 @@ def test_hopper_forward_drops_the_portable_pattern_gpu(head_dim, seqlen_q, seqle
     torch.testing.assert_close(out.detach(), portable, atol=4e-3, rtol=1.6e-2)
 
 
-def test_hopper_varlen_forward_drops_the_portable_pattern_gpu():
-    """Packed sequences on the Gluon forward (the default path at D=128): rows (head, packed token),
-    each sequence's keys counted from its start, as the portable kernels number them."""
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_hopper_varlen_forward_drops_the_portable_pattern_gpu(head_dim):
+    """Packed sequences on the Gluon forward and backward (the default paths): rows (head, packed
+    token), each sequence's keys counted from its start, as the portable kernels number them."""
     skip_off_hopper()
     from fmha import dispatch
     from fmha.masking import Window
     from fmha.params import varlen_params
 
-    lengths_q, lengths_k, head_dim = [1100, 700, 1300], [1200, 700, 1500], 128
+    lengths_q, lengths_k = [1100, 700, 1300], [1200, 700, 1500]
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
                   for lengths in (lengths_q, lengths_k))
     generator = torch.Generator(device="cuda").manual_seed(8)
@@ -233,6 +234,8 @@ def test_hopper_varlen_forward_drops_the_portable_pattern_gpu():
     lengths = (cu_q, cu_k, max(lengths_q), max(lengths_k))
     params = varlen_params("test", q, k, v, *lengths, causal=True, dropout_p=0.3)
     assert dispatch.prepared_forward(params, q, k, v, cu_q, cu_k).explanation.backend == "gluon_sm90"
+    hopper, reason = dispatch.hopper_backward(params, q, q, k, v, q, k, v)
+    assert hopper is not None, reason
     generator.manual_seed(31)
     out, lse = fmha.varlen_attention(q, k, v, *lengths, causal=True, dropout_p=0.3, generator=generator,
                                      return_lse=True)
@@ -379,7 +382,7 @@ def test_attn_mask_on_the_hopper_forward_gpu(name, seqlen_q, seqlen_k, head_dim,
     assert_close_to_reference(out, q, k, v, lse=lse, atol=1e-5, attn_mask=mask)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(777, 1025), (1100, 300)])
 @pytest.mark.parametrize("name", HOPPER_MASKS)
 def test_attn_mask_on_the_hopper_backward_gpu(name, seqlen_q, seqlen_k, head_dim):
@@ -436,17 +439,17 @@ HEAD_DIM_256_SCHEDULE = dict(block_n=64, pack_p=True)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", HOPPER_FEATURES + ["dropout"])
 def test_hopper_forward_at_head_dim_256_with_score_features_gpu(name, causal):
-    """D = 256 runs the Gluon forward with every score feature (dropout with the portable kernels'
-    pattern); the backward after it is the Gluon one of the 256-wide tiles with sinks (which only
-    change the LSE), the portable one with the others. Sq > Sk causal: rows that see no key."""
+    """D = 256 runs the Gluon forward and the 256-wide tiles' Gluon backward with every score
+    feature (dropout with the portable kernels' pattern, drawn again in the backward). Sq > Sk
+    causal: rows that see no key, and rows whose only keys may all be dropped."""
     skip_off_hopper()
     seqlen_q, seqlen_k = (1500, 500) if causal else (700, 900)
     q, k, v = inputs(seqlen_q, seqlen_k, 256, hash((name, causal, "d256")) % 2**31, grad=True)
     hopper = fmha.HopperSchedule(**HEAD_DIM_256_SCHEDULE)
+    kwargs = dict(dropout_p=0.3) if name == "dropout" else feature_kwargs(name)
+    explanation = fmha.explain(q, k, v, causal=causal, config=hopper, **kwargs)
+    assert explanation.backend == "gluon_sm90" and explanation.backward.startswith("gluon_sm90"), str(explanation)
     if name != "dropout":
-        explanation = fmha.explain(q, k, v, causal=causal, config=hopper, **feature_kwargs(name))
-        backward = "gluon_sm90" if name == "sinks" else "triton"
-        assert explanation.backend == "gluon_sm90" and explanation.backward.startswith(backward), str(explanation)
         check_features(q, k, v, name, causal, config=hopper)
         return
     generator = torch.Generator(device="cuda").manual_seed(21)
@@ -461,3 +464,18 @@ def test_hopper_forward_at_head_dim_256_with_score_features_gpu(name, causal):
                               **offset)
     dout = torch.randn_like(out)
     assert_grads_close(torch.autograd.grad(out, (q, k, v), dout), q, k, v, dout, **dropout, **offset)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", LENGTHS + [(77, 300)])
+@pytest.mark.parametrize("head_dim", [160, 256])
+@pytest.mark.parametrize("name", HOPPER_FEATURES)
+def test_wide_backward_with_score_features_gpu(name, head_dim, seqlen_q, seqlen_k, causal):
+    """Softcap, ALiBi and sinks on the 256-wide tiles (D 136-256), forward and backward, the sinks'
+    gradient too, at the shipped D = 256 schedule."""
+    skip_off_hopper()
+    q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((name, head_dim, seqlen_k, causal, "wide")) % 2**31, grad=True)
+    hopper = fmha.HopperSchedule(**HEAD_DIM_256_SCHEDULE)
+    explanation = fmha.explain(q, k, v, causal=causal, config=hopper, **feature_kwargs(name))
+    assert explanation.backend == "gluon_sm90" and explanation.backward.startswith("gluon_sm90"), str(explanation)
+    check_features(q, k, v, name, causal, config=hopper)

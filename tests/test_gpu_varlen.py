@@ -107,7 +107,7 @@ def test_varlen_backward_gpu(window, head_dim, heads, causal):
                        causal)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 def test_varlen_backward_runs_the_gluon_kernel_on_hopper_gpu(head_dim):
     """Packed sequences take the Gluon backward on sm_90: one long and many short sequences, some of
     length 0 and 1, GQA, causal, against float64 per sequence."""

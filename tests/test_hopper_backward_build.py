@@ -204,24 +204,35 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.tools.disasm import path_to_cuobjdump
 from fmha.backends.gluon_sm90 import backward_launch
+from fmha.backends.gluon_sm90.launch import ScoreFeatures
 
 report = {"triton": triton.__version__}
-for has_left, has_right, head_group in json.loads(sys.argv[1]):
-    source, _ = backward_launch.hopper_wide_backward_source(torch.bfloat16, has_left, has_right, head_group)
+for has_left, has_right, head_group, features, varlen in json.loads(sys.argv[1]):
+    source, _ = backward_launch.hopper_wide_backward_source(torch.bfloat16, has_left, has_right, head_group,
+                                                            ScoreFeatures(**features), varlen)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=backward_launch.hopper_backward_options(backward_launch.HopperBackwardSchedule()))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
         sass = subprocess.check_output([path_to_cuobjdump(), "-sass", handle.name], text=True)
-    report[",".join(map(str, [has_left, has_right, head_group]))] = {
+    report[",".join(map(str, [has_left, has_right, head_group, *features, varlen]))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG")},
         "hmma": sass.count("HMMA"), "shared": compiled.metadata.shared, "loop_spills": spills_in_product_loops(sass)}
 print(json.dumps(report))
 """
 
-# (has_left, has_right, head_group): dense, causal in head groups, a two-sided window.
-WIDE_VARIANTS = [(False, False, 0), (False, True, 4), (True, True, 0)]
+# (has_left, has_right, head_group, score features, varlen): dense, causal in head groups, a
+# two-sided window, packed causal sequences with softcap, ALiBi and dropout (the float32 tile dS
+# reads: the most shared memory), a float attn_mask.
+WIDE_VARIANTS = [(False, False, 0, {}, False), (False, True, 4, {}, False), (True, True, 0, {}, False),
+                 (False, True, 0, dict(softcap=1, alibi=1, dropout=True), True),
+                 (False, False, 0, dict(mask="float32"), False)]
+
+
+def wide_variant_key(variant) -> str:
+    has_left, has_right, head_group, features, varlen = variant
+    return ",".join(map(str, [has_left, has_right, head_group, *features, varlen]))
 
 
 @pytest.fixture(scope="module")
@@ -229,11 +240,11 @@ def wide_backward_builds():
     return build_report(_WIDE_BUILD_SCRIPT, WIDE_VARIANTS)
 
 
-@pytest.mark.parametrize("variant", WIDE_VARIANTS, ids=str)
+@pytest.mark.parametrize("variant", WIDE_VARIANTS, ids=wide_variant_key)
 def test_wide_backward_compiles_to_warpgroup_mma_and_bulk_reduce(wide_backward_builds, variant):
     """The 256-wide tiles' backward: warpgroup MMAs, bulk copies in, dQ by bulk reduce-adds, dK and
     dV by plain stores (once per program), within the H100's shared memory."""
-    build = wide_backward_builds[",".join(map(str, variant))]
+    build = wide_backward_builds[wide_variant_key(variant)]
     counts = build["counts"]
     assert counts["HGMMA"] > 0 and build["hmma"] == 0
     assert counts["UTMALDG"] > 0 and counts["UTMAREDG"] > 0 and counts["UTMASTG"] == 0
@@ -241,11 +252,11 @@ def test_wide_backward_compiles_to_warpgroup_mma_and_bulk_reduce(wide_backward_b
     assert build["shared"] + 1024 <= 228 * 1024
 
 
-@pytest.mark.parametrize("variant", WIDE_VARIANTS[:2], ids=str)
+@pytest.mark.parametrize("variant", WIDE_VARIANTS[:2], ids=wide_variant_key)
 def test_wide_backward_steps_do_not_spill(wide_backward_builds, variant):
     """With triton 3.6 (the measured build) the dense and causal steps keep their values in
     registers (the two-sided window spills 17 instructions inside them; triton 3.9 spills more)."""
     if not wide_backward_builds["triton"].startswith("3.6."):
         pytest.skip(f"spills measured with triton 3.6, this is {wide_backward_builds['triton']}")
-    assert wide_backward_builds[",".join(map(str, variant))]["loop_spills"] == 0
+    assert wide_backward_builds[wide_variant_key(variant)]["loop_spills"] == 0
 

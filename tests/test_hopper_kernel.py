@@ -724,17 +724,17 @@ def test_head_dims_round_up_to_a_tile_width(head_dim, tile):
 
 @pytest.mark.parametrize("head_dim, features, refusal", [
     (96, {}, None), (96, dict(softcap=30.0), None), (136, {}, None), (256, dict(sinks=True), None),
-    (136, dict(softcap=30.0), "no softcap, ALiBi, dropout or attn_mask"),
-    (256, dict(dropout_p=0.1), "no softcap, ALiBi, dropout or attn_mask"),
-    (192, dict(alibi=True), "no softcap, ALiBi, dropout or attn_mask")])
-def test_the_wide_backward_takes_calls_without_score_features(monkeypatch, head_dim, features, refusal):
-    """Head dims over 128 run the 256-wide tiles' backward (backward_wide.py) where a call has no
-    score feature but the sinks; the others take the portable backward."""
+    (136, dict(softcap=30.0), None), (256, dict(dropout_p=0.1), None), (192, dict(alibi=True), None),
+    (256, dict(deterministic=True), "deterministic=True")])
+def test_the_wide_backward_takes_score_features(monkeypatch, head_dim, features, refusal):
+    """Head dims over 128 run the 256-wide tiles' backward (backward_wide.py) with every score
+    feature; like the narrower one it refuses deterministic calls (dQ is summed by atomic adds)."""
     monkeypatch.setattr(hopper_backend, "INTERPRETED", False)
     monkeypatch.setattr(hopper_backend, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(hopper_backend, "gluon_unavailable", lambda: None)
     q = torch.empty((1, 2, 128, head_dim), dtype=torch.bfloat16)
     options = dict(softcap=features.get("softcap"), dropout_p=features.get("dropout_p", 0.0),
+                   deterministic=features.get("deterministic", False),
                    sinks=torch.zeros(2) if features.get("sinks") else None,
                    alibi_slopes=torch.ones(2) if features.get("alibi") else None)
     params = attention_params("test", q, q, q, **options)

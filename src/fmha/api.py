@@ -89,8 +89,8 @@ Supported
 * ``torch.compile(fullgraph=True)``: the ops are ``torch.library`` custom ops (``fmha::forward``,
   ``fmha::backward``) with fake implementations.
 * Kernels (``fmha.dispatch``): on Hopper (sm_90), fp16/bf16 calls whose head dim is a multiple of 8
-  run warp-specialised Gluon kernels, at the next tile width of 64, 128 or 256 (over 128 the
-  backward takes no score feature but the sinks, and no packed sequences), where the shipped tuning data (``fmha.tuning.schedules``) or the
+  run warp-specialised Gluon kernels, forward and backward, at the next tile width of 64, 128 or
+  256, where the shipped tuning data (``fmha.tuning.schedules``) or the
   ``fmha tune`` cache picks one of its schedules; every other call, and every other GPU, runs the
   portable Triton kernel with tuned tiles. Decode-like calls (all query rows of a KV head fit
   one 64-row tile, and the KV heads fill less than half the GPU) run the split-KV forward: keys

@@ -11,7 +11,7 @@ from ...runtime import INTERPRETED, compute_capability
 from ...tuning import lookup
 from .schedule import HopperSchedule, head_dim_refusal, tile_head_dim
 
-WIDE_TILE_HEAD_DIM = 256  # the backward's widest tiles: backward_wide.py, without score features
+WIDE_TILE_HEAD_DIM = 256  # the backward's widest tiles: backward_wide.py
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,11 +108,6 @@ class HopperBackend:
         reason = head_dim_refusal(params.head_dim)
         if reason is not None:
             return reason
-        if tile_head_dim(params.head_dim) == WIDE_TILE_HEAD_DIM:
-            if options.scores_modified or options.dropout_p > 0.0:
-                return "the backward of head dims over 128 takes no softcap, ALiBi, dropout or attn_mask"
-            if params.varlen:
-                return "the backward of head dims over 128 takes no packed sequences"
         reason = attn_mask_refusal(attn_mask) or self.refusal(params, *tensors[1:4])
         if reason is not None:
             return reason

@@ -17,7 +17,6 @@ from ...params import AttentionParams
 from ...runtime import CachedLaunch, KernelBuildError, multiprocessors, run_compiled, spans_wide_offsets
 from ..triton.backward import sinks_grad_kernel
 from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
-from ..triton.forward import LOG2_E
 from ..triton.launch import TileList, tma_compatible, window_bounds
 from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
 from .launch import (_MASK_POINTER_TYPES, _MASK_STRIDE_ARGS, NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout,
@@ -297,7 +296,8 @@ WIDE_BLOCK_M = 64
 WIDE_DQ_COLUMNS = 64
 
 
-def hopper_wide_backward_source(dtype: torch.dtype, has_left: bool, has_right: bool, head_group: int):
+def hopper_wide_backward_source(dtype: torch.dtype, has_left: bool, has_right: bool, head_group: int,
+                                features: ScoreFeatures = NO_FEATURES, varlen: bool = False):
     """The 256-wide backward's compile source for one static configuration, and its constexpr values."""
     from .backward_wide import attention_backward_wide_kernel
 
@@ -307,51 +307,71 @@ def hopper_wide_backward_source(dtype: torch.dtype, has_left: bool, has_right: b
         return (f"tensordesc<{element}[1,1,{rows},{WIDE_TILE_HEAD_DIM}],"
                 f"{_shared_layout(rows, WIDE_TILE_HEAD_DIM, dtype)!r}>")
 
-    constants = {"BLOCK_M": WIDE_BLOCK_M, "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "HEAD_GROUP": head_group}
+    constants = {"BLOCK_M": WIDE_BLOCK_M, "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": features.softcap,
+                 "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
+                 "MASK": features.mask_constexpr, "HEAD_GROUP": 0 if varlen else head_group}
     signature = {"q_desc": descriptor_type(WIDE_BLOCK_M), "k_desc": descriptor_type(KEYS_PER_CONSUMER),
                  "v_desc": descriptor_type(KEYS_PER_CONSUMER), "do_desc": descriptor_type(WIDE_BLOCK_M),
                  "dq_desc": f"tensordesc<fp32[1,1,{WIDE_BLOCK_M},{WIDE_DQ_COLUMNS}],"
                             f"{_accumulator_layout(WIDE_BLOCK_M, WIDE_DQ_COLUMNS)!r}>",
-                 "DK": f"*{element}", "DV": f"*{element}", "Lse2": "*fp32", "Delta": "*fp32",
+                 "DK": f"*{element}", "DV": f"*{element}", "Lse2": "*fp32", "Delta": "*fp32", "AlibiSlopes": "*fp32",
+                 "RngState": "*i64", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",
+                 "Mask": _MASK_POINTER_TYPES[features.mask],
                  **dict.fromkeys(("stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh", "stride_dvn"),
                                  "i64"),
+                 "stride_ab": "i32", "stride_ah": "i32", **dict.fromkeys(_MASK_STRIDE_ARGS, "i64"),
                  **dict.fromkeys(("padded_q", "num_q_heads", "num_kv_heads", "group_size", "seqlen_q", "seqlen_k", "lo",
-                                  "hi", "num_tiles", "head_dim"), "i32"),
-                 "scale": "fp32", "qk_scale": "fp32", **dict.fromkeys(constants, "constexpr")}
+                                  "hi", "num_tiles", "head_dim", "dropout_threshold"), "i32"),
+                 **dict.fromkeys(("scale", "qk_scale", "softcap_scale", "dropout_scale"), "fp32"),
+                 **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_backward_wide_kernel.arg_names
     return GluonASTSource(attention_backward_wide_kernel, signature, constants), tuple(constants.values())
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_wide_backward(device: torch.device, dtype: torch.dtype, has_left: bool, has_right: bool,
-                                  head_group: int):
+                                  head_group: int, features: ScoreFeatures = NO_FEATURES, varlen: bool = False):
     """Compiled once per device and static configuration; a failed build returns a
     :class:`fmha.runtime.KernelBuildError` (remembered), and the portable backward runs."""
-    return build_gluon(device, lambda: hopper_wide_backward_source(dtype, has_left, has_right, head_group),
+    return build_gluon(device, lambda: hopper_wide_backward_source(dtype, has_left, has_right, head_group, features,
+                                                                   varlen),
                        hopper_backward_options(HopperBackwardSchedule()), "backward of 256-wide tiles")
 
 
 class HopperWideBackward:
     """The 256-wide tiles' Gluon backward for one call signature; calling it writes dq, dk and dv,
-    and with sinks ``scores.sinks_grad``."""
+    and with sinks ``scores.sinks_grad`` (``scores=ScoreTensors(...)`` for calls with score features)."""
 
-    __slots__ = ("compiled", "grid", "integers", "device", "padded_q", "rows_grid", "params", "row_launches")
+    __slots__ = ("compiled", "grid", "integers", "device", "padded_q", "rows_grid", "params", "batch", "seqlen_q",
+                 "tile_list", "row_launches")
 
     def __init__(self, params: AttentionParams):
         has_left, has_right, lo, hi = window_bounds(params)
         head_group = 4 if has_right and not has_left else 0
-        built = compiled_hopper_wide_backward(params.device, params.dtype, has_left, has_right, head_group)
+        features = ScoreFeatures.of(params.options)
+        built = compiled_hopper_wide_backward(params.device, params.dtype, has_left, has_right, head_group, features,
+                                              params.varlen)
         if isinstance(built, KernelBuildError):
             raise built
         self.params, self.device = params, params.device
         self.compiled, constants = built
-        self.grid = -(-params.seqlen_k // KEYS_PER_CONSUMER) * params.batch * params.kv_heads
-        self.padded_q = -(-params.seqlen_q // 128) * 128
+        if params.varlen:  # one batch of the packed rows; program i takes entry i of the key blocks' list
+            self.batch, self.seqlen_q, seqlen_k = 1, params.total_q, params.total_k
+            self.tile_list = TileList(params.batch, params.total_k, KEYS_PER_CONSUMER, from_end=True,
+                                      device=params.device)
+            self.grid = self.tile_list.entries * params.kv_heads
+        else:
+            self.batch, self.seqlen_q, seqlen_k = params.batch, params.seqlen_q, params.seqlen_k
+            self.tile_list = None
+            self.grid = -(-seqlen_k // KEYS_PER_CONSUMER) * params.batch * params.kv_heads
+        self.padded_q = -(-self.seqlen_q // 128) * 128
         self.row_launches = {}  # by dout's strides
-        self.rows_grid = (self.padded_q // ROWS_BLOCK * params.batch * params.q_heads,)
-        self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, params.seqlen_q,
-                         params.seqlen_k, lo, hi, self.grid, params.head_dim, params.options.scale,
-                         params.options.scale * LOG2_E, *constants)
+        self.rows_grid = (self.padded_q // ROWS_BLOCK * self.batch * params.q_heads,)
+        threshold, dropout_factor = features.dropout_scalars(params.options)
+        qk_scale, softcap_scale = features.scalars(params.options)
+        self.integers = (self.padded_q, params.q_heads, params.kv_heads, params.group, self.seqlen_q, seqlen_k, lo, hi,
+                         self.grid, params.head_dim, threshold, params.options.scale, qk_scale, softcap_scale,
+                         dropout_factor, *constants)
 
     @staticmethod
     def text() -> str:
@@ -360,11 +380,23 @@ class HopperWideBackward:
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
                  scores=None) -> None:
         p = self.params
-        launches, lse2, delta, dq_accum, _ = _row_passes(self.row_launches, self.rows_grid, p, p.batch, p.seqlen_q,
+        if p.varlen:  # every tensor as its (1, H, total, D) view; the LSE (Hq, total) as (1, Hq, total)
+            sequences = (cu_seqlens_q, cu_seqlens_k, self.tile_list(cu_seqlens_k))
+            dout, q, k, v, out, dq, dk, dv = (as_batch_of_one(t) for t in (dout, q, k, v, out, dq, dk, dv))
+            lse = lse.unsqueeze(0)
+        batch, seqlen_q = self.batch, self.seqlen_q
+        launches, lse2, delta, dq_accum, _ = _row_passes(self.row_launches, self.rows_grid, p, batch, seqlen_q,
                                                          self.padded_q, dout, out, lse, dq, scores)
-        accum = dq_accum.view(p.batch, p.q_heads, self.padded_q, p.head_dim)
+        if not p.varlen:
+            sequences = (lse2, lse2, lse2)  # not read
+        alibi, _, (stride_ab, stride_ah, _) = score_arguments(scores, lse2)
+        rng_state = lse2 if scores is None or scores.rng_state is None else scores.rng_state
+        mask = None if scores is None else scores.attn_mask
+        mask, mask_strides = (lse2, (0, 0, 0, 0)) if mask is None else (mask, mask.stride())  # (B, Hq, Sq, Sk)
+        accum = dq_accum.view(batch, p.q_heads, self.padded_q, p.head_dim)
         descriptors = tuple(_HostDescriptor(t) for t in (q, k, v, dout, accum))
         run_compiled(self.compiled, self.grid, self.device,
-                     (*descriptors, dk, dv, lse2, delta, *dk.stride()[:3], *dv.stride()[:3], *self.integers))
-        launches.finish_dq((-(-p.seqlen_q // ROWS_BLOCK) * p.batch * p.q_heads,), q.device, dq_accum, dq, *dq.stride(),
-                           p.q_heads, p.seqlen_q, self.padded_q, p.options.scale)
+                     (*descriptors, dk, dv, lse2, delta, alibi, rng_state, *sequences, mask, *dk.stride()[:3],
+                      *dv.stride()[:3], stride_ab, stride_ah, *mask_strides, *self.integers))
+        launches.finish_dq((-(-seqlen_q // ROWS_BLOCK) * batch * p.q_heads,), q.device, dq_accum, dq, *dq.stride(),
+                           p.q_heads, seqlen_q, self.padded_q, p.options.scale)

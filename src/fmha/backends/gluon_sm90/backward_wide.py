@@ -15,8 +15,14 @@ One load warp copies the block's K and V once, then Q through two slots and dO t
 every query block of every query head of the GQA group that sees the keys. Key blocks that cross
 the window's edges or the end of K take the per-score mask (:mod:`fmha.backends.gluon_sm90.masking`).
 Shared memory: K, V, two Q slots and dO (160 KiB), Pᵀ and dSᵀ (16 KiB) and one dQ staging tile per
-consumer (32 KiB). No score features, packed sequences or attn_mask: those calls take the portable
-backward.
+consumer (32 KiB).
+
+Score features as in :mod:`fmha.backends.gluon_sm90.backward`, all on consumer 0, which alone holds
+the scores: softcap, ALiBi, SDPA's attn_mask and dropout's flags (the forward's pattern, drawn
+again). With softcap or dropout it also puts the float32 tile that dS needs in shared memory
+(16 KiB more): P ⊙ (1 − tanh²) with softcap, its sign negative where dropout drops the score.
+Pᵀ, which both dV products read, is then the kept probabilities. Packed sequences (VARLEN) take
+key blocks from a tile list, as the narrower backward does.
 """
 
 from triton.experimental import gluon
@@ -25,9 +31,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from ...compat import cta_barrier, tma_load
-from .backward import _add_dq_tile, _program_block, backward_registers
+from .backward import LOG2_E, _add_dq_tile, _program_tile, backward_registers
 from .forward import CONSUMER_WARPS, accumulator_layout, operand_layout
 from .masking import query_blocks, visible
+from .scores import (NO_MASK, STRIDED_MASK_KEYS, dropout_key, expand_mask, masked_scores, modified_scores, pair_rows,
+                     transposed_draw_layout, transposed_keep_bits, unpack_keep)
 
 WIDE_KEYS = gl.constexpr(64)  # keys per program, shared by both consumers
 HALF_COLUMNS = gl.constexpr(128)  # dK, dV and dQ columns per consumer
@@ -42,15 +50,27 @@ def _worker_registers():
 
 @gluon.jit
 def _wide_load_partition(args, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         HEAD_GROUP: gl.constexpr):
+                         VARLEN: gl.constexpr, HEAD_GROUP: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, q_free, do_ready, do_free,
-     num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles) = args
-    batch, kv_head, n_block = _program_block(gl.program_id(0), num_tiles, num_kv_heads, seqlen_k, WIDE_KEYS,
-                                             HEAD_GROUP)
-    first_key = n_block * WIDE_KEYS
+     num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles, sequences) = args
+    valid, batch, kv_head, n_block, q_start, seqlen_q, k_start, _, lo, hi, _ = _program_tile(
+        gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, WIDE_KEYS, VARLEN,
+        HEAD_GROUP)
+    if valid:
+        _wide_load_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, q_free,
+                        do_ready, do_free, group_size, batch, kv_head, n_block * WIDE_KEYS, q_start, seqlen_q, k_start,
+                        lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
+
+
+@gluon.jit
+def _wide_load_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, q_free,
+                    do_ready, do_free, group_size, batch, kv_head, first_key, q_start, seqlen_q, k_start, lo, hi,
+                    BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """The block's K and V once, then Q and dO of every query block that sees it, for each query
+    head of the KV head (rows and keys counted from q_start and k_start)."""
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma_load(k_desc, [batch, kv_head, first_key, 0], kv_ready, k_smem)
-    tma_load(v_desc, [batch, kv_head, first_key, 0], kv_ready, v_smem)
+    tma_load(k_desc, [batch, kv_head, k_start + first_key, 0], kv_ready, k_smem)
+    tma_load(v_desc, [batch, kv_head, k_start + first_key, 0], kv_ready, v_smem)
     m_start, _, _, m_end = query_blocks(first_key, WIDE_KEYS, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
     steps = (m_end - m_start) // BLOCK_M
     for member in range(group_size):
@@ -58,7 +78,7 @@ def _wide_load_partition(args, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HA
         for step in range(steps):
             position = member * steps + step
             slot = position % 2
-            first_row = m_start + step * BLOCK_M
+            first_row = q_start + m_start + step * BLOCK_M
             # A free barrier completes once per use; the first wait finds it free.
             mbarrier.wait(q_free.index(slot), ((position // 2) & 1) ^ 1)
             mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
@@ -69,13 +89,17 @@ def _wide_load_partition(args, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HA
 
 
 @gluon.jit
-def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_first, m_begin, m_stop, seqlen_k, lo,
-                hi, qk_scale, CONSUMER: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-                HAS_RIGHT: gl.constexpr):
+def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_first, m_begin, m_stop, q_start, seqlen_q,
+                seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER: gl.constexpr, MASKED: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
+                VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr):
     """Query blocks [m_begin, m_stop) of one head (the block at row m sits at step position
-    position_base + (m - m_first) / BLOCK_M); returns the consumer's dK and dV columns."""
-    (q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, q_ready, q_free, do_ready, do_free, p_ready, p_free,
-     ds_ready, ds_free, dq_desc, Lse2, Delta) = shared
+    position_base + (m - m_first) / BLOCK_M); returns the consumer's dK and dV columns. Rows and
+    keys count from the sequence's start (q_start in Q's rows). ``mods`` and ``dropout`` as in
+    :func:`fmha.backends.gluon_sm90.backward._query_steps` (consumer 0 reads them; consumer 1 only
+    ``dropout[3]``, the kept scores' factor)."""
+    (q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, gt_smem, dq_smem, q_ready, q_free, do_ready, do_free, p_ready,
+     p_free, ds_ready, ds_free, dq_desc, Lse2, Delta) = shared
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
     dtype: gl.constexpr = k_smem.dtype
@@ -83,6 +107,8 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
     row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     a_layout: gl.constexpr = operand_layout(HALF_COLUMNS)  # Pᵀ or dSᵀ as the register A operand of dV, dK
     COLUMN0: gl.constexpr = CONSUMER * HALF_COLUMNS
+    # dS takes a float32 tile of consumer 0's (softcap's factor, dropout's flags) in place of Pᵀ.
+    GRADIENT_TILE: gl.constexpr = SOFTCAP or DROPOUT
     keys_all = k_smem.reshape([WIDE_KEYS, HEAD_DIM])
     values_all = v_smem.reshape([WIDE_KEYS, HEAD_DIM])
     do = do_smem.reshape([BLOCK_M, HEAD_DIM])
@@ -95,17 +121,46 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
         rows = m + gl.arange(0, BLOCK_M, layout=row_layout)
         q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         if CONSUMER == 0:  # Sᵀ, then Pᵀ for both consumers
+            if DROPOUT:  # the step's flags, drawn while only dK and dV hold registers
+                RngState, rng_row, high_bound, _, first_key, key_rows = dropout
+                row_words = pair_rows(m, rng_row, BLOCK_M // 2, gl.SliceLayout(0, transposed_draw_layout(BLOCK_M)))
+                keep_bits = transposed_keep_bits(first_key, key_rows, row_words, dropout_key(RngState), high_bound,
+                                                 BLOCK_M)
             mbarrier.wait(q_ready.index(slot), (position // 2) & 1)
             scores_t = warpgroup_mma(keys_all, q.permute((1, 0)), no_scores, use_acc=False, is_async=True)
             lse = gl.load(Lse2 + rows_base + rows)  # log2 units; padded rows +inf
+            if MASK != NO_MASK:  # the attn_mask's [keys, rows] tile, read while Sᵀ runs
+                mask_rows = gl.minimum(rows, seqlen_q - 1)
+                mask_tile = gl.load(mods[4] + (mods[5][:, None] + (mask_rows * mods[6])[None, :]))
             scores_t = warpgroup_mma_wait(0, deps=(scores_t,))
-            probs_t = gl.exp2(scores_t * qk_scale - lse[None, :])
+            scale_t = qk_scale
+            if SOFTCAP or ALIBI:
+                row_positions = (rows + mods[2]).to(gl.float32)
+                scores_t, capped_t = modified_scores(scores_t, row_positions[None, :], mods[3][:, None], qk_scale,
+                                                     mods[0], mods[1], SOFTCAP, ALIBI)
+                scale_t = 1.0
+            if MASK != NO_MASK:
+                mask_tile = expand_mask(mask_tile, mods[4].dtype.element_ty, s_layout, MASK, STRIDED_MASK_KEYS)
+                scores_t, scale_t = masked_scores(scores_t, scale_t, mask_tile, MASK)
+            probs_t = gl.exp2(scores_t * scale_t - lse[None, :])
             if MASKED:
-                probs_t = gl.where(visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT),
-                                   probs_t, 0.0)
+                seen = visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
+                if VARLEN:  # rows past the sequence's end are the next sequence's
+                    seen = seen & (rows[None, :] < seqlen_q)
+                probs_t = gl.where(seen, probs_t, 0.0)
+            if GRADIENT_TILE:
+                gradient_t = probs_t
+                if SOFTCAP:  # d(softcap · tanh(s / softcap)) / ds
+                    gradient_t = gradient_t * (1.0 - capped_t * capped_t)
+                if DROPOUT:  # dropped scores carry a minus sign to dS
+                    keep = gl.convert_layout(unpack_keep(keep_bits, BLOCK_M), s_layout, assert_trivial=True)
+                    gradient_t = gl.where(keep, gradient_t, -gradient_t)
+                    probs_t = gl.where(keep, probs_t, 0.0)
             probs_t = probs_t.to(dtype)
             mbarrier.wait(p_free, phase ^ 1)  # consumer 1 has read the previous Pᵀ
             pt_smem.store(probs_t)
+            if GRADIENT_TILE:
+                gt_smem.store(gradient_t)
             fence_async_shared()
             cta_barrier()  # every thread's part of Pᵀ is written before the arrival
             mbarrier.arrive(p_ready, count=1)
@@ -121,8 +176,14 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
             delta = gl.load(Delta + rows_base + rows)
             dprobs_t = warpgroup_mma_wait(0, deps=(dprobs_t,))
             mbarrier.wait(p_ready, phase)
-            probs_t = pt_smem.load(s_layout).to(gl.float32)
-            dscores_t = (probs_t * (dprobs_t - delta[None, :])).to(dtype)
+            if GRADIENT_TILE:
+                gradient_t = gt_smem.load(s_layout)
+                if DROPOUT:
+                    dprobs_t = gl.where(gradient_t > 0.0, dprobs_t * dropout[3], 0.0)
+                    gradient_t = gl.abs(gradient_t)
+            else:
+                gradient_t = pt_smem.load(s_layout).to(gl.float32)
+            dscores_t = (gradient_t * (dprobs_t - delta[None, :])).to(dtype)
             mbarrier.wait(ds_free, phase ^ 1)  # both consumers are done with the previous dSᵀ
             dst_smem.store(dscores_t)
             fence_async_shared()
@@ -137,10 +198,10 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
         mbarrier.arrive(do_free, count=1)
         mbarrier.arrive(q_free.index(slot), count=1)  # dQ reads dSᵀ and K only
         gl.static_assert(HALF_COLUMNS == 2 * DQ_CHUNK)
-        _add_dq_tile(_dq_columns(keys_all, dst_smem, COLUMN0), own_dq, dq_desc, [batch, head, m, COLUMN0])
+        _add_dq_tile(_dq_columns(keys_all, dst_smem, COLUMN0), own_dq, dq_desc, [batch, head, q_start + m, COLUMN0])
         dq_t = _dq_columns(keys_all, dst_smem, COLUMN0 + DQ_CHUNK)
         mbarrier.arrive(ds_free, count=1)  # the consumer's products that read dSᵀ are done
-        _add_dq_tile(dq_t, own_dq, dq_desc, [batch, head, m, COLUMN0 + DQ_CHUNK])
+        _add_dq_tile(dq_t, own_dq, dq_desc, [batch, head, q_start + m, COLUMN0 + DQ_CHUNK])
     return dk, dv
 
 
@@ -157,16 +218,35 @@ def _dq_columns(keys_all, dst_smem, COLUMN0: gl.constexpr):
 
 @gluon.jit
 def _wide_consumer_partition(args, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr,
-                             HAS_RIGHT: gl.constexpr, HEAD_GROUP: gl.constexpr):
+                             HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+                             DROPOUT: gl.constexpr, MASK: gl.constexpr, HEAD_GROUP: gl.constexpr):
     (shared, kv_ready, gradients, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k, lo, hi, scale,
-     qk_scale, num_tiles) = args
+     qk_scale, score_args, num_tiles, sequences) = args
+    valid, batch, kv_head, n_block, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi, sequence = _program_tile(
+        gl.program_id(0), num_tiles, sequences, num_kv_heads, seqlen_q, seqlen_k, lo, hi, WIDE_KEYS, VARLEN,
+        HEAD_GROUP)
+    if valid:
+        _wide_consumer_tile(shared, kv_ready, gradients, num_q_heads, group_size, padded_q, scale, qk_scale, score_args,
+                            batch, kv_head, n_block * WIDE_KEYS, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi,
+                            sequence, seqlen_q, CONSUMER, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN,
+                            DROPOUT, MASK)
+
+
+@gluon.jit
+def _wide_consumer_tile(shared, kv_ready, gradients, num_q_heads, group_size, padded_q, scale, qk_scale, score_args,
+                        batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence,
+                        rows_per_head, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr,
+                        HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+                        DROPOUT: gl.constexpr, MASK: gl.constexpr):
+    """The consumer's columns of dK and dV of the 64 keys from ``first_key`` (counted from k_start)
+    over every query block and query head that sees them, then their stores. ``rows_per_head``: Sq,
+    or the packed total (the dropout counters' numbering of rows)."""
     DK, DV, dk_strides, dv_strides, head_dim = gradients
+    (AlibiSlopes, stride_ab, stride_ah, softcap_scale, RngState, dropout_threshold, dropout_scale, Mask,
+     mask_strides) = score_args
     dtype: gl.constexpr = shared[2].dtype
     s_layout: gl.constexpr = accumulator_layout(BLOCK_M)
     kv_layout: gl.constexpr = accumulator_layout(HALF_COLUMNS)
-    batch, kv_head, n_block = _program_block(gl.program_id(0), num_tiles, num_kv_heads, seqlen_k, WIDE_KEYS,
-                                             HEAD_GROUP)
-    first_key = n_block * WIDE_KEYS
     keys = first_key + gl.arange(0, WIDE_KEYS, layout=gl.SliceLayout(1, s_layout))
     m_start, full_start, full_end, m_end = query_blocks(first_key, WIDE_KEYS, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT,
                                                         HAS_RIGHT)
@@ -178,40 +258,72 @@ def _wide_consumer_partition(args, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr
     mbarrier.wait(kv_ready, 0)
     for member in range(group_size):
         head = kv_head * group_size + member
-        rows_base = (batch * num_q_heads + head).to(gl.int64) * padded_q
+        # of the (B, Hq, padded_q) row statistics; packed sequences: (1, Hq, padded total)
+        rows_base = (batch * num_q_heads + head).to(gl.int64) * padded_q + q_start
         position_base = member * steps
-        dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, m_start,
-                             full_start, seqlen_k, lo, hi, qk_scale, CONSUMER, True, HAS_LEFT, HAS_RIGHT)
-        dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, full_start,
-                             full_end, seqlen_k, lo, hi, qk_scale, CONSUMER, False, HAS_LEFT, HAS_RIGHT)
+        slope = 0.0
+        if ALIBI:
+            slope = gl.load(AlibiSlopes + sequence.to(gl.int64) * stride_ab + head.to(gl.int64) * stride_ah) * LOG2_E
+        mask_base, mask_columns, stride_mm = 0, 0, 0
+        if MASK != NO_MASK:  # the (batch, head)'s attn_mask, and its offsets of the keys (past the end: the last)
+            stride_mb, stride_mh, stride_mm, stride_mn = mask_strides
+            mask_base = Mask + sequence.to(gl.int64) * stride_mb + head.to(gl.int64) * stride_mh
+            mask_columns = gl.minimum(keys, seqlen_k - 1) * stride_mn.to(gl.int32)
+            stride_mm = stride_mm.to(gl.int32)
+        mods = (softcap_scale, slope, seqlen_k - seqlen_q, keys.to(gl.float32), mask_base, mask_columns, stride_mm)
+        dropout = (0, 0, 0, 0.0, 0, 0)
+        if DROPOUT:  # rows numbered as the forward numbers them: (batch, head, row), or (head, packed row)
+            rng_row = (batch * num_q_heads + head).to(gl.int64) * rows_per_head + q_start
+            key_rows = gl.arange(0, 32, layout=gl.SliceLayout(1, transposed_draw_layout(BLOCK_M)))
+            dropout = (RngState, rng_row, (dropout_threshold.to(gl.uint32) << 24) - 1, dropout_scale, first_key,
+                       key_rows)
+        dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, m_start, full_start,
+                             q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, True, HAS_LEFT,
+                             HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
+        dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, full_start, full_end,
+                             q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, False, HAS_LEFT,
+                             HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
         dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, full_end, m_end,
-                             seqlen_k, lo, hi, qk_scale, CONSUMER, True, HAS_LEFT, HAS_RIGHT)
-    # Plain stores of the consumer's columns (once per program): keys past K's end and columns past
-    # the call's head dim are left out.
+                             q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, True, HAS_LEFT,
+                             HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
+    if DROPOUT:  # P·dO summed the kept probabilities
+        dv = dv * dropout_scale
+    # Plain stores of the consumer's columns (once per program): keys past the sequence's end and
+    # columns past the call's head dim are left out.
     key_rows = first_key + gl.arange(0, WIDE_KEYS, layout=gl.SliceLayout(1, kv_layout))
     columns = CONSUMER * HALF_COLUMNS + gl.arange(0, HALF_COLUMNS, layout=gl.SliceLayout(0, kv_layout))
     inside = (key_rows[:, None] < seqlen_k) & (columns[None, :] < head_dim)
+    key_rows = (k_start + key_rows).to(gl.int64)
     dk_base = DK + batch.to(gl.int64) * dk_strides[0] + kv_head.to(gl.int64) * dk_strides[1]
     dv_base = DV + batch.to(gl.int64) * dv_strides[0] + kv_head.to(gl.int64) * dv_strides[1]
-    gl.store(dk_base + key_rows.to(gl.int64)[:, None] * dk_strides[2] + columns[None, :], (dk * scale).to(dtype),
-             mask=inside)
-    gl.store(dv_base + key_rows.to(gl.int64)[:, None] * dv_strides[2] + columns[None, :], dv.to(dtype), mask=inside)
+    gl.store(dk_base + key_rows[:, None] * dk_strides[2] + columns[None, :], (dk * scale).to(dtype), mask=inside)
+    gl.store(dv_base + key_rows[:, None] * dv_strides[2] + columns[None, :], dv.to(dtype), mask=inside)
     tma.store_wait(0)
 
 
 @gluon.jit
 def attention_backward_wide_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, Lse2, Delta,
-    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles, head_dim, scale, qk_scale,
-    BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HEAD_GROUP: gl.constexpr,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, Lse2, Delta, AlibiSlopes, RngState, CuSeqlensQ, CuSeqlensK, Tiles,
+    Mask, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_ab, stride_ah,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    padded_q, num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles, head_dim,
+    dropout_threshold, scale, qk_scale, softcap_scale, dropout_scale,
+    BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
+    ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, HEAD_GROUP: gl.constexpr,
 ):
     """One program per (batch, KV head, block of 64 keys), num_tiles of them. Descriptors are
     (B, H, S, D) at the tiles' width of 256 (the call's head_dim may be narrower: the copies fill
     zeros past it): Q and dO in blocks of BLOCK_M rows, K and V of the program's keys, dQ's zeroed
     fp32 buffer (B, Hq, padded_q, D) in [BLOCK_M, 64] blocks. Lse2 (log2 units) and Delta are flat
     (B·Hq·padded_q) fp32 vectors (:mod:`fmha.backends.triton.backward_rows`); DK and DV take the
-    keys' gradients through their strides (the last one 1)."""
+    keys' gradients through their strides (the last one 1).
+
+    Score features as in :func:`fmha.backends.gluon_sm90.backward.attention_backward_hopper_kernel`
+    (SOFTCAP: ``qk_scale`` is ``scale / softcap``; ALIBI, DROPOUT, MASK with their pointers and
+    strides; the sinks are in the LSE). Packed sequences (VARLEN): the descriptors and DK, DV view
+    (total, H, D) tensors as (1, H, total, D); seqlen_q and seqlen_k are the totals; program i takes
+    entry i of the key blocks' list in ``Tiles`` (with CuSeqlensQ and CuSeqlensK); the row
+    statistics are (Hq, padded total)."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
@@ -220,6 +332,11 @@ def attention_backward_wide_kernel(
     transposed_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE_KEYS, BLOCK_M], dtype)
     pt_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, BLOCK_M], transposed_layout)
     dst_smem = gl.allocate_shared_memory(dtype, [WIDE_KEYS, BLOCK_M], transposed_layout)
+    if SOFTCAP or DROPOUT:  # written and read in the accumulator layout: any layout without bank conflicts
+        gradient_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WIDE_KEYS, BLOCK_M], gl.float32)
+        gt_smem = gl.allocate_shared_memory(gl.float32, [WIDE_KEYS, BLOCK_M], gradient_layout)
+    else:
+        gt_smem = pt_smem  # not read
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -240,16 +357,21 @@ def attention_backward_wide_kernel(
     mbarrier.init(p_free, count=1)  # consumer 1 reads it
     mbarrier.init(ds_ready, count=1)  # consumer 1 writes dSᵀ
     mbarrier.init(ds_free, count=2)  # both read it
-    shared = (q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, q_ready, q_free, do_ready, do_free,
+    shared = (q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, gt_smem, dq_smem, q_ready, q_free, do_ready, do_free,
               p_ready, p_free, ds_ready, ds_free, dq_desc, Lse2, Delta)
     gradients = (DK, DV, (stride_dkb, stride_dkh, stride_dkn), (stride_dvb, stride_dvh, stride_dvn), head_dim)
+    score_args = (AlibiSlopes, stride_ab, stride_ah, softcap_scale, RngState, dropout_threshold, dropout_scale, Mask,
+                  (stride_mb, stride_mh, stride_mm, stride_mn))
+    sequences = (CuSeqlensQ, CuSeqlensK, Tiles)
     consumer_args = (shared, kv_ready, gradients, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k,
-                     lo, hi, scale, qk_scale, num_tiles)
+                     lo, hi, scale, qk_scale, score_args, num_tiles, sequences)
     load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, q_free,
-                 do_ready, do_free, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles)
+                 do_ready, do_free, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, num_tiles, sequences)
     gl.static_assert(CONSUMER_WARPS == 4)
     gl.warp_specialize(
-        [(_wide_consumer_partition, (consumer_args, 0, BLOCK_M, HAS_LEFT, HAS_RIGHT, HEAD_GROUP)),
-         (_wide_consumer_partition, (consumer_args, 1, BLOCK_M, HAS_LEFT, HAS_RIGHT, HEAD_GROUP)),
-         (_wide_load_partition, (load_args, BLOCK_M, HAS_LEFT, HAS_RIGHT, HEAD_GROUP))],
+        [(_wide_consumer_partition, (consumer_args, 0, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT,
+                                     MASK, HEAD_GROUP)),
+         (_wide_consumer_partition, (consumer_args, 1, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT,
+                                     MASK, HEAD_GROUP)),
+         (_wide_load_partition, (load_args, BLOCK_M, HAS_LEFT, HAS_RIGHT, VARLEN, HEAD_GROUP))],
         worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers())
