@@ -148,7 +148,8 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
                 if VARLEN:  # rows past the sequence's end are the next sequence's
                     seen = seen & (rows[None, :] < seqlen_q)
                 probs_t = gl.where(seen, probs_t, 0.0)
-            if GRADIENT_TILE:
+            mbarrier.wait(p_free, phase ^ 1)  # consumer 1 has read the previous Pᵀ
+            if GRADIENT_TILE:  # stored first: its registers are free before Pᵀ's conversion
                 gradient_t = probs_t
                 if SOFTCAP:  # d(softcap · tanh(s / softcap)) / ds
                     gradient_t = gradient_t * (1.0 - capped_t * capped_t)
@@ -156,11 +157,9 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
                     keep = gl.convert_layout(unpack_keep(keep_bits, BLOCK_M), s_layout, assert_trivial=True)
                     gradient_t = gl.where(keep, gradient_t, -gradient_t)
                     probs_t = gl.where(keep, probs_t, 0.0)
-            probs_t = probs_t.to(dtype)
-            mbarrier.wait(p_free, phase ^ 1)  # consumer 1 has read the previous Pᵀ
-            pt_smem.store(probs_t)
-            if GRADIENT_TILE:
                 gt_smem.store(gradient_t)
+            probs_t = probs_t.to(dtype)
+            pt_smem.store(probs_t)
             fence_async_shared()
             cta_barrier()  # every thread's part of Pᵀ is written before the arrival
             mbarrier.arrive(p_ready, count=1)
