@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ...compat import cta_barrier, tma_load
 from .backward import LOG2_E, _add_dq_tile, _program_tile, backward_registers
 from .forward import CONSUMER_WARPS, accumulator_layout, operand_layout
-from .masking import query_blocks, visible
+from .masking import query_blocks, visible_block_transposed
 from .scores import (NO_MASK, STRIDED_MASK_KEYS, dropout_key, expand_mask, masked_scores, modified_scores, pair_rows,
                      transposed_draw_layout, transposed_keep_bits, unpack_keep)
 
@@ -143,10 +143,10 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
                 mask_tile = expand_mask(mask_tile, mods[4].dtype.element_ty, s_layout, MASK, STRIDED_MASK_KEYS)
                 scores_t, scale_t = masked_scores(scores_t, scale_t, mask_tile, MASK)
             probs_t = gl.exp2(scores_t * scale_t - lse[None, :])
-            if MASKED:
-                seen = visible(rows[None, :], keys[:, None], seqlen_k, lo, hi, HAS_LEFT, HAS_RIGHT)
-                if VARLEN:  # rows past the sequence's end are the next sequence's
-                    seen = seen & (rows[None, :] < seqlen_q)
+            if MASKED:  # rows past the sequence's end (packed: the next sequence's) see nothing
+                row_end = seqlen_q if VARLEN else m + BLOCK_M  # dense: padded rows have an LSE of +inf
+                seen = visible_block_transposed(keys, gl.arange(0, BLOCK_M, layout=row_layout), m, row_end, seqlen_k,
+                                                lo, hi, HAS_LEFT, HAS_RIGHT)
                 probs_t = gl.where(seen, probs_t, 0.0)
             mbarrier.wait(p_free, phase ^ 1)  # consumer 1 has read the previous Pᵀ
             if GRADIENT_TILE:  # stored first: its registers are free before Pᵀ's conversion
