@@ -105,8 +105,9 @@ Not yet supported (raise ``NotImplementedError``)
 * Gradients of SDPA's ``attn_mask`` (a mask that requires grad).
 * In SDPA: a value head dim different from the query's, and batch dims that differ between query
   and key/value (broadcasting).
-* Paged K/V in ``flash_attn_varlen_func`` (``block_table``), ``softcap`` and ``alibi_slopes`` in
-  ``flash_attn_with_kvcache``, FP8.
+* Dropout and gradients over a paged cache (``block_table`` in ``flash_attn_varlen_func``), as in
+  FlashAttention.
+* FP8.
 """
 
 from __future__ import annotations
