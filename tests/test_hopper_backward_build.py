@@ -207,32 +207,35 @@ from fmha.backends.gluon_sm90 import backward_launch
 from fmha.backends.gluon_sm90.launch import ScoreFeatures
 
 report = {"triton": triton.__version__}
-for has_left, has_right, head_group, features, varlen in json.loads(sys.argv[1]):
+for has_left, has_right, head_group, features, varlen, columns in json.loads(sys.argv[1]):
     source, _ = backward_launch.hopper_wide_backward_source(torch.bfloat16, has_left, has_right, head_group,
-                                                            ScoreFeatures(**features), varlen)
+                                                            ScoreFeatures(**features), varlen, columns)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=backward_launch.hopper_backward_options(backward_launch.HopperBackwardSchedule()))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
         sass = subprocess.check_output([path_to_cuobjdump(), "-sass", handle.name], text=True)
-    report[",".join(map(str, [has_left, has_right, head_group, *features, varlen]))] = {
+    report[",".join(map(str, [has_left, has_right, head_group, *features, varlen, columns]))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG")},
         "hmma": sass.count("HMMA"), "shared": compiled.metadata.shared, "loop_spills": spills_in_product_loops(sass)}
 print(json.dumps(report))
 """
 
-# (has_left, has_right, head_group, score features, varlen): dense, causal in head groups, a
-# two-sided window, packed causal sequences with softcap, ALiBi and dropout (the float32 tile dS
-# reads: the most shared memory), a float attn_mask.
-WIDE_VARIANTS = [(False, False, 0, {}, False), (False, True, 4, {}, False), (True, True, 0, {}, False),
-                 (False, True, 0, dict(softcap=1, alibi=1, dropout=True), True),
-                 (False, False, 0, dict(mask="float32"), False)]
+# (has_left, has_right, head_group, score features, varlen, columns): dense, causal in head groups,
+# a two-sided window, packed causal sequences with softcap, ALiBi and dropout (the float32 tile dS
+# reads: the most shared memory), a float attn_mask; then the 192-column builds (D <= 192) of the
+# dense and causal ones and of dropout.
+WIDE_VARIANTS = [(False, False, 0, {}, False, 256), (False, True, 4, {}, False, 256), (True, True, 0, {}, False, 256),
+                 (False, True, 0, dict(softcap=1, alibi=1, dropout=True), True, 256),
+                 (False, False, 0, dict(mask="float32"), False, 256),
+                 (False, False, 0, {}, False, 192), (False, True, 4, {}, False, 192),
+                 (False, True, 4, dict(dropout=True), False, 192)]
 
 
 def wide_variant_key(variant) -> str:
-    has_left, has_right, head_group, features, varlen = variant
-    return ",".join(map(str, [has_left, has_right, head_group, *features, varlen]))
+    has_left, has_right, head_group, features, varlen, columns = variant
+    return ",".join(map(str, [has_left, has_right, head_group, *features, varlen, columns]))
 
 
 @pytest.fixture(scope="module")

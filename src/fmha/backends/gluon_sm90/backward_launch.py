@@ -296,8 +296,14 @@ WIDE_BLOCK_M = 64
 WIDE_DQ_COLUMNS = 64
 
 
+def wide_backward_columns(head_dim: int) -> int:
+    """The columns the 256-wide backward's products read: 192 for head dims up to 192, else 256."""
+    return 192 if head_dim <= 192 else WIDE_TILE_HEAD_DIM
+
+
 def hopper_wide_backward_source(dtype: torch.dtype, has_left: bool, has_right: bool, head_group: int,
-                                features: ScoreFeatures = NO_FEATURES, varlen: bool = False):
+                                features: ScoreFeatures = NO_FEATURES, varlen: bool = False,
+                                columns: int = WIDE_TILE_HEAD_DIM):
     """The 256-wide backward's compile source for one static configuration, and its constexpr values."""
     from .backward_wide import attention_backward_wide_kernel
 
@@ -309,7 +315,7 @@ def hopper_wide_backward_source(dtype: torch.dtype, has_left: bool, has_right: b
 
     constants = {"BLOCK_M": WIDE_BLOCK_M, "HAS_LEFT": has_left, "HAS_RIGHT": has_right, "SOFTCAP": features.softcap,
                  "ALIBI": features.alibi, "VARLEN": varlen, "DROPOUT": features.dropout,
-                 "MASK": features.mask_constexpr, "HEAD_GROUP": 0 if varlen else head_group}
+                 "MASK": features.mask_constexpr, "HEAD_GROUP": 0 if varlen else head_group, "COLUMNS": columns}
     signature = {"q_desc": descriptor_type(WIDE_BLOCK_M), "k_desc": descriptor_type(KEYS_PER_CONSUMER),
                  "v_desc": descriptor_type(KEYS_PER_CONSUMER), "do_desc": descriptor_type(WIDE_BLOCK_M),
                  "dq_desc": f"tensordesc<fp32[1,1,{WIDE_BLOCK_M},{WIDE_DQ_COLUMNS}],"
@@ -330,11 +336,12 @@ def hopper_wide_backward_source(dtype: torch.dtype, has_left: bool, has_right: b
 
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_wide_backward(device: torch.device, dtype: torch.dtype, has_left: bool, has_right: bool,
-                                  head_group: int, features: ScoreFeatures = NO_FEATURES, varlen: bool = False):
+                                  head_group: int, features: ScoreFeatures = NO_FEATURES, varlen: bool = False,
+                                  columns: int = WIDE_TILE_HEAD_DIM):
     """Compiled once per device and static configuration; a failed build returns a
     :class:`fmha.runtime.KernelBuildError` (remembered), and the portable backward runs."""
     return build_gluon(device, lambda: hopper_wide_backward_source(dtype, has_left, has_right, head_group, features,
-                                                                   varlen),
+                                                                   varlen, columns),
                        hopper_backward_options(HopperBackwardSchedule()), "backward of 256-wide tiles")
 
 
@@ -343,14 +350,15 @@ class HopperWideBackward:
     and with sinks ``scores.sinks_grad`` (``scores=ScoreTensors(...)`` for calls with score features)."""
 
     __slots__ = ("compiled", "grid", "integers", "device", "padded_q", "rows_grid", "params", "batch", "seqlen_q",
-                 "tile_list", "row_launches")
+                 "tile_list", "row_launches", "columns")
 
     def __init__(self, params: AttentionParams):
         has_left, has_right, lo, hi = window_bounds(params)
         head_group = 4 if has_right and not has_left else 0
         features = ScoreFeatures.of(params.options)
+        self.columns = wide_backward_columns(params.head_dim)
         built = compiled_hopper_wide_backward(params.device, params.dtype, has_left, has_right, head_group, features,
-                                              params.varlen)
+                                              params.varlen, self.columns)
         if isinstance(built, KernelBuildError):
             raise built
         self.params, self.device = params, params.device
@@ -373,9 +381,9 @@ class HopperWideBackward:
                          self.grid, params.head_dim, threshold, params.options.scale, qk_scale, softcap_scale,
                          dropout_factor, *constants)
 
-    @staticmethod
-    def text() -> str:
-        return "backward of 256-wide tiles (64 keys a program, two consumers of 128 columns)"
+    def text(self) -> str:
+        return (f"backward of 256-wide tiles ({self.columns} columns read; 64 keys a program, two consumers of 128 "
+                f"and {self.columns - 128} columns)")
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=None, cu_seqlens_k=None,
                  scores=None) -> None:

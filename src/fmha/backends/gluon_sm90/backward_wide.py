@@ -7,9 +7,15 @@ by role and by columns:
 * consumer 0 computes Sᵀ = K Qᵀ and Pᵀ (the masked exponentials against the forward's LSE) and
   puts Pᵀ in shared memory; consumer 1 computes dPᵀ = V dOᵀ, reads Pᵀ, and puts
   dSᵀ = Pᵀ ⊙ (dPᵀ − delta) in shared memory;
-* each then adds its 128 columns of dV += Pᵀ dO and dK += dSᵀ Q, and computes its 128 columns of
-  dQ = dS K (transposed, 64 columns at a time), which the bulk copy engine adds into the fp32 dQ
-  buffer (a TMA reduce-add, as in :mod:`fmha.backends.gluon_sm90.backward`).
+* each then adds its columns of dV += Pᵀ dO and dK += dSᵀ Q (consumer 0 the first 128, consumer 1
+  the rest) and computes its share of dQ = dS K (transposed, 64 columns at a time), which the bulk
+  copy engine adds into the fp32 dQ buffer (a TMA reduce-add, as in
+  :mod:`fmha.backends.gluon_sm90.backward`).
+
+Head dims up to 192 build with COLUMNS = 192: the products read only the first 192 columns of the
+tiles (Sᵀ and dPᵀ as two products, over 128 and 64 columns), consumer 1 owns 64 columns of dK and
+dV, and the three 64-column chunks of dQ go one to consumer 0 and two to consumer 1, which has the
+fewer columns of dK and dV. That is a quarter fewer products than the 256-wide build.
 
 One load warp copies the block's K and V once, then Q through two slots and dO through one, for
 every query block of every query head of the GQA group that sees the keys. Key blocks that cross
@@ -38,8 +44,26 @@ from .scores import (NO_MASK, STRIDED_MASK_KEYS, dropout_key, expand_mask, maske
                      transposed_draw_layout, transposed_keep_bits, unpack_keep)
 
 WIDE_KEYS = gl.constexpr(64)  # keys per program, shared by both consumers
-HALF_COLUMNS = gl.constexpr(128)  # dK, dV and dQ columns per consumer
+HALF_COLUMNS = gl.constexpr(128)  # consumer 0's columns of dK and dV; the products' first part
 DQ_CHUNK = gl.constexpr(64)  # dQ columns per product and reduce-add
+
+
+@gluon.constexpr_function
+def _own_columns(consumer, columns):
+    """The consumer's columns of dK and dV (from ``consumer * HALF_COLUMNS``)."""
+    return HALF_COLUMNS if consumer == 0 else columns - HALF_COLUMNS
+
+
+@gluon.constexpr_function
+def _first_dq_chunk(consumer, columns):
+    """The first of the consumer's dQ columns: 256 columns split 128 / 128, 192 split 64 / 128."""
+    return 0 if consumer == 0 else columns - 2 * DQ_CHUNK
+
+
+@gluon.constexpr_function
+def _dq_chunks(consumer, columns):
+    """How many DQ_CHUNK-column products of dQ the consumer computes."""
+    return (columns // DQ_CHUNK - 2) if consumer == 0 else 2
 
 
 @gluon.constexpr_function
@@ -92,7 +116,7 @@ def _wide_load_tile(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_
 def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_first, m_begin, m_stop, q_start, seqlen_q,
                 seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER: gl.constexpr, MASKED: gl.constexpr,
                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr,
-                VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr):
+                VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, COLUMNS: gl.constexpr):
     """Query blocks [m_begin, m_stop) of one head (the block at row m sits at step position
     position_base + (m - m_first) / BLOCK_M); returns the consumer's dK and dV columns. Rows and
     keys count from the sequence's start (q_start in Q's rows). ``mods`` and ``dropout`` as in
@@ -105,7 +129,8 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
     dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = accumulator_layout(BLOCK_M)  # [WIDE_KEYS, BLOCK_M]: keys are the rows
     row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    a_layout: gl.constexpr = operand_layout(HALF_COLUMNS)  # Pᵀ or dSᵀ as the register A operand of dV, dK
+    OWN_COLUMNS: gl.constexpr = _own_columns(CONSUMER, COLUMNS)
+    a_layout: gl.constexpr = operand_layout(OWN_COLUMNS)  # Pᵀ or dSᵀ as the register A operand of dV, dK
     COLUMN0: gl.constexpr = CONSUMER * HALF_COLUMNS
     # dS takes a float32 tile of consumer 0's (softcap's factor, dropout's flags) in place of Pᵀ.
     GRADIENT_TILE: gl.constexpr = SOFTCAP or DROPOUT
@@ -127,7 +152,7 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
                 keep_bits = transposed_keep_bits(first_key, key_rows, row_words, dropout_key(RngState), high_bound,
                                                  BLOCK_M)
             mbarrier.wait(q_ready.index(slot), (position // 2) & 1)
-            scores_t = warpgroup_mma(keys_all, q.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+            scores_t = _scores_product(keys_all, q, no_scores, COLUMNS)
             lse = gl.load(Lse2 + rows_base + rows)  # log2 units; padded rows +inf
             if MASK != NO_MASK:  # the attn_mask's [keys, rows] tile, read while Sᵀ runs
                 mask_rows = gl.minimum(rows, seqlen_q - 1)
@@ -164,14 +189,14 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
             cta_barrier()  # every thread's part of Pᵀ is written before the arrival
             mbarrier.arrive(p_ready, count=1)
             mbarrier.wait(do_ready, phase)
-            dv = warpgroup_mma(gl.convert_layout(probs_t, a_layout), do.slice(COLUMN0, HALF_COLUMNS, dim=1), dv,
+            dv = warpgroup_mma(gl.convert_layout(probs_t, a_layout), do.slice(COLUMN0, OWN_COLUMNS, dim=1), dv,
                                is_async=True)
             mbarrier.wait(ds_ready, phase)
-            dk = warpgroup_mma(dst_smem, q.slice(COLUMN0, HALF_COLUMNS, dim=1), dk, is_async=True)
+            dk = warpgroup_mma(dst_smem, q.slice(COLUMN0, OWN_COLUMNS, dim=1), dk, is_async=True)
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         else:  # dPᵀ, then dSᵀ for both consumers
             mbarrier.wait(do_ready, phase)
-            dprobs_t = warpgroup_mma(values_all, do.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+            dprobs_t = _scores_product(values_all, do, no_scores, COLUMNS)
             delta = gl.load(Delta + rows_base + rows)
             dprobs_t = warpgroup_mma_wait(0, deps=(dprobs_t,))
             mbarrier.wait(p_ready, phase)
@@ -188,20 +213,34 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
             fence_async_shared()
             cta_barrier()
             mbarrier.arrive(ds_ready, count=1)
-            dv = warpgroup_mma(pt_smem, do.slice(COLUMN0, HALF_COLUMNS, dim=1), dv, is_async=True)
+            dv = warpgroup_mma(pt_smem, do.slice(COLUMN0, OWN_COLUMNS, dim=1), dv, is_async=True)
             mbarrier.wait(q_ready.index(slot), (position // 2) & 1)
-            dk = warpgroup_mma(gl.convert_layout(dscores_t, a_layout), q.slice(COLUMN0, HALF_COLUMNS, dim=1), dk,
+            dk = warpgroup_mma(gl.convert_layout(dscores_t, a_layout), q.slice(COLUMN0, OWN_COLUMNS, dim=1), dk,
                                is_async=True)
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
             mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(do_free, count=1)
         mbarrier.arrive(q_free.index(slot), count=1)  # dQ reads dSᵀ and K only
-        gl.static_assert(HALF_COLUMNS == 2 * DQ_CHUNK)
-        _add_dq_tile(_dq_columns(keys_all, dst_smem, COLUMN0), own_dq, dq_desc, [batch, head, q_start + m, COLUMN0])
-        dq_t = _dq_columns(keys_all, dst_smem, COLUMN0 + DQ_CHUNK)
+        DQ_FIRST: gl.constexpr = _first_dq_chunk(CONSUMER, COLUMNS)
+        DQ_LAST: gl.constexpr = DQ_FIRST + (_dq_chunks(CONSUMER, COLUMNS) - 1) * DQ_CHUNK
+        if DQ_LAST > DQ_FIRST:
+            _add_dq_tile(_dq_columns(keys_all, dst_smem, DQ_FIRST), own_dq, dq_desc, [batch, head, q_start + m, DQ_FIRST])
+        dq_t = _dq_columns(keys_all, dst_smem, DQ_LAST)
         mbarrier.arrive(ds_free, count=1)  # the consumer's products that read dSᵀ are done
-        _add_dq_tile(dq_t, own_dq, dq_desc, [batch, head, q_start + m, COLUMN0 + DQ_CHUNK])
+        _add_dq_tile(dq_t, own_dq, dq_desc, [batch, head, q_start + m, DQ_LAST])
     return dk, dv
+
+
+@gluon.jit
+def _scores_product(keys_all, rows, init, COLUMNS: gl.constexpr):
+    """keys_all · rowsᵀ over the first COLUMNS columns (256, or 128 then 64), issued async."""
+    if COLUMNS == keys_all.shape[1]:
+        return warpgroup_mma(keys_all, rows.permute((1, 0)), init, use_acc=False, is_async=True)
+    REST: gl.constexpr = COLUMNS - HALF_COLUMNS
+    product = warpgroup_mma(keys_all.slice(0, HALF_COLUMNS, dim=1), rows.slice(0, HALF_COLUMNS, dim=1).permute((1, 0)),
+                            init, use_acc=False, is_async=True)
+    return warpgroup_mma(keys_all.slice(HALF_COLUMNS, REST, dim=1), rows.slice(HALF_COLUMNS, REST, dim=1).permute((1, 0)),
+                         product, is_async=True)
 
 
 @gluon.jit
@@ -218,7 +257,8 @@ def _dq_columns(keys_all, dst_smem, COLUMN0: gl.constexpr):
 @gluon.jit
 def _wide_consumer_partition(args, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr,
                              HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                             DROPOUT: gl.constexpr, MASK: gl.constexpr, HEAD_GROUP: gl.constexpr):
+                             DROPOUT: gl.constexpr, MASK: gl.constexpr, HEAD_GROUP: gl.constexpr,
+                             COLUMNS: gl.constexpr):
     (shared, kv_ready, gradients, num_q_heads, num_kv_heads, group_size, padded_q, seqlen_q, seqlen_k, lo, hi, scale,
      qk_scale, score_args, num_tiles, sequences) = args
     valid, batch, kv_head, n_block, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi, sequence = _program_tile(
@@ -228,7 +268,7 @@ def _wide_consumer_partition(args, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr
         _wide_consumer_tile(shared, kv_ready, gradients, num_q_heads, group_size, padded_q, scale, qk_scale, score_args,
                             batch, kv_head, n_block * WIDE_KEYS, q_start, seq_q, k_start, seq_k, seq_lo, seq_hi,
                             sequence, seqlen_q, CONSUMER, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN,
-                            DROPOUT, MASK)
+                            DROPOUT, MASK, COLUMNS)
 
 
 @gluon.jit
@@ -236,7 +276,7 @@ def _wide_consumer_tile(shared, kv_ready, gradients, num_q_heads, group_size, pa
                         batch, kv_head, first_key, q_start, seqlen_q, k_start, seqlen_k, lo, hi, sequence,
                         rows_per_head, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr,
                         HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-                        DROPOUT: gl.constexpr, MASK: gl.constexpr):
+                        DROPOUT: gl.constexpr, MASK: gl.constexpr, COLUMNS: gl.constexpr):
     """The consumer's columns of dK and dV of the 64 keys from ``first_key`` (counted from k_start)
     over every query block and query head that sees them, then their stores. ``rows_per_head``: Sq,
     or the packed total (the dropout counters' numbering of rows)."""
@@ -245,15 +285,16 @@ def _wide_consumer_tile(shared, kv_ready, gradients, num_q_heads, group_size, pa
      mask_strides) = score_args
     dtype: gl.constexpr = shared[2].dtype
     s_layout: gl.constexpr = accumulator_layout(BLOCK_M)
-    kv_layout: gl.constexpr = accumulator_layout(HALF_COLUMNS)
+    OWN_COLUMNS: gl.constexpr = _own_columns(CONSUMER, COLUMNS)
+    kv_layout: gl.constexpr = accumulator_layout(OWN_COLUMNS)
     keys = first_key + gl.arange(0, WIDE_KEYS, layout=gl.SliceLayout(1, s_layout))
     m_start, full_start, full_end, m_end = query_blocks(first_key, WIDE_KEYS, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT,
                                                         HAS_RIGHT)
     if first_key + WIDE_KEYS > seqlen_k:  # keys past the end: every block takes the mask
         full_end = full_start
     steps = (m_end - m_start) // BLOCK_M
-    dk = gl.zeros([WIDE_KEYS, HALF_COLUMNS], gl.float32, layout=kv_layout)
-    dv = gl.zeros([WIDE_KEYS, HALF_COLUMNS], gl.float32, layout=kv_layout)
+    dk = gl.zeros([WIDE_KEYS, OWN_COLUMNS], gl.float32, layout=kv_layout)
+    dv = gl.zeros([WIDE_KEYS, OWN_COLUMNS], gl.float32, layout=kv_layout)
     mbarrier.wait(kv_ready, 0)
     for member in range(group_size):
         head = kv_head * group_size + member
@@ -278,19 +319,19 @@ def _wide_consumer_tile(shared, kv_ready, gradients, num_q_heads, group_size, pa
                        key_rows)
         dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, m_start, full_start,
                              q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, True, HAS_LEFT,
-                             HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
+                             HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK, COLUMNS)
         dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, full_start, full_end,
                              q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, False, HAS_LEFT,
-                             HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
+                             HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK, COLUMNS)
         dk, dv = _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_start, full_end, m_end,
                              q_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods, dropout, CONSUMER, True, HAS_LEFT,
-                             HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK)
+                             HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK, COLUMNS)
     if DROPOUT:  # P·dO summed the kept probabilities
         dv = dv * dropout_scale
     # Plain stores of the consumer's columns (once per program): keys past the sequence's end and
     # columns past the call's head dim are left out.
     key_rows = first_key + gl.arange(0, WIDE_KEYS, layout=gl.SliceLayout(1, kv_layout))
-    columns = CONSUMER * HALF_COLUMNS + gl.arange(0, HALF_COLUMNS, layout=gl.SliceLayout(0, kv_layout))
+    columns = CONSUMER * HALF_COLUMNS + gl.arange(0, OWN_COLUMNS, layout=gl.SliceLayout(0, kv_layout))
     inside = (key_rows[:, None] < seqlen_k) & (columns[None, :] < head_dim)
     key_rows = (k_start + key_rows).to(gl.int64)
     dk_base = DK + batch.to(gl.int64) * dk_strides[0] + kv_head.to(gl.int64) * dk_strides[1]
@@ -309,10 +350,11 @@ def attention_backward_wide_kernel(
     dropout_threshold, scale, qk_scale, softcap_scale, dropout_scale,
     BLOCK_M: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, SOFTCAP: gl.constexpr,
     ALIBI: gl.constexpr, VARLEN: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, HEAD_GROUP: gl.constexpr,
+    COLUMNS: gl.constexpr,
 ):
     """One program per (batch, KV head, block of 64 keys), num_tiles of them. Descriptors are
     (B, H, S, D) at the tiles' width of 256 (the call's head_dim may be narrower: the copies fill
-    zeros past it): Q and dO in blocks of BLOCK_M rows, K and V of the program's keys, dQ's zeroed
+    zeros past it; COLUMNS, 192 or 256, are the columns the products read): Q and dO in blocks of BLOCK_M rows, K and V of the program's keys, dQ's zeroed
     fp32 buffer (B, Hq, padded_q, D) in [BLOCK_M, 64] blocks. Lse2 (log2 units) and Delta are flat
     (B·Hq·padded_q) fp32 vectors (:mod:`fmha.backends.triton.backward_rows`); DK and DV take the
     keys' gradients through their strides (the last one 1).
@@ -369,8 +411,8 @@ def attention_backward_wide_kernel(
     gl.static_assert(CONSUMER_WARPS == 4)
     gl.warp_specialize(
         [(_wide_consumer_partition, (consumer_args, 0, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT,
-                                     MASK, HEAD_GROUP)),
+                                     MASK, HEAD_GROUP, COLUMNS)),
          (_wide_consumer_partition, (consumer_args, 1, BLOCK_M, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT,
-                                     MASK, HEAD_GROUP)),
+                                     MASK, HEAD_GROUP, COLUMNS)),
          (_wide_load_partition, (load_args, BLOCK_M, HAS_LEFT, HAS_RIGHT, VARLEN, HEAD_GROUP))],
         worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers())
