@@ -255,7 +255,19 @@ def test_wide_backward_compiles_to_warpgroup_mma_and_bulk_reduce(wide_backward_b
     assert build["shared"] + 1024 <= 228 * 1024
 
 
-@pytest.mark.parametrize("variant", WIDE_VARIANTS[:2], ids=wide_variant_key)
+@pytest.mark.parametrize("variant", [variant for variant in WIDE_VARIANTS if variant[-1] == 192], ids=wide_variant_key)
+def test_wide_backward_of_192_columns_issues_fewer_products(wide_backward_builds, variant):
+    """Head dims up to 192: Sᵀ and dPᵀ over 192 columns, consumer 1's 64 columns of dK and dV, and
+    dQ's three chunks: fewer warpgroup MMA instructions than the same build over 256 columns."""
+    wide = wide_backward_builds[wide_variant_key(variant[:-1] + (256,))] if variant[:-1] + (256,) in WIDE_VARIANTS \
+        else None
+    build = wide_backward_builds[wide_variant_key(variant)]
+    if wide is not None:
+        assert build["counts"]["HGMMA"] < wide["counts"]["HGMMA"]
+    assert build["counts"]["UTMAREDG"] > 0
+
+
+@pytest.mark.parametrize("variant", WIDE_VARIANTS[:2] + WIDE_VARIANTS[5:7], ids=wide_variant_key)
 def test_wide_backward_steps_do_not_spill(wide_backward_builds, variant):
     """With triton 3.6 (the measured build) the dense and causal steps keep their values in
     registers (the two-sided window's build spills one instruction inside them, the score features'

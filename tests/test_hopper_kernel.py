@@ -18,7 +18,7 @@ from fmha import HopperSchedule
 from fmha.backends.gluon_sm90 import backend as hopper_backend
 from fmha.backends.gluon_sm90 import launch
 from fmha.backends.gluon_sm90 import schedule as schedule_module
-from fmha.backends.gluon_sm90.schedule import MAX_STAGES_WITH_TURNS, PINGPONG_OFF, PINGPONG_ON
+from fmha.backends.gluon_sm90.schedule import MAX_STAGES_WITH_TURNS, PINGPONG_OFF, PINGPONG_ON, product_columns
 from fmha.backends.gluon_sm90.scores import ALIBI_ANY, ALIBI_CAUSAL
 from fmha.params import attention_params
 from fmha.tuning import schedules
@@ -63,7 +63,8 @@ for variant in json.loads(sys.argv[1]):
     features = launch.ScoreFeatures(softcap=softcap, alibi=alibi, sinks="sinks" in extra,
                                     dropout="dropout" in extra, mask=mask, mask_keys=0 if "mask_strided" in extra else 2)
     source, _ = launch.hopper_forward_source(torch.bfloat16, head_dim, causal, schedule, has_left=2 if "wide" in extra else int("left" in extra),
-                                             varlen="varlen" in extra, features=features)
+                                             varlen="varlen" in extra, features=features,
+                                             columns=192 if "columns_192" in extra else None)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options=launch.hopper_compile_options(schedule, "varlen" in extra))
@@ -75,6 +76,9 @@ for variant in json.loads(sys.argv[1]):
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2", "MUFU.TANH",
                                                  "FMNMX", "FADD", "STL", "ISETP", "HSET2", "PRMT")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
+        # the N of every warpgroup MMA shape in the PTX (the product's columns)
+        "wgmma_columns": sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16",
+                                                            compiled.asm["ptx"])}),
         # shared-memory stores and loads (STS, LDS; not STSM, LDSM)
         "sts": len(re.findall(r"\bSTS\b", sass)), "lds": len(re.findall(r"\bLDS\b", sass)),
         "wide_multiplies": sass.count("IMAD.WIDE.U32"),
@@ -142,7 +146,11 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (128, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p"),
             (256, False, 2, 64, 2, 0, 1, 1, "pack_p"), (256, False, 2, 64, 2, 0, 1, 1, "pack_p", "dropout"),
             (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "softcap_bounded", "left", "varlen", "dynamic"),
-            (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "alibi_causal", "sinks")]
+            (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "alibi_causal", "sinks"),
+            (256, False, 2, 64, 2, 0, 1, 1, "pack_p", "columns_192"),
+            (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "columns_192"),
+            (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "dropout", "columns_192"),
+            (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "softcap_bounded", "left", "varlen", "dynamic", "columns_192")]
 
 
 @pytest.fixture(scope="module")
@@ -350,6 +358,18 @@ def test_head_dim_256_stages_its_output_in_the_q_buffer(hopper_builds, variant):
     assert build["unmasked_loop_spills"] == 0
     assert "block_n in (64,)" in HopperSchedule().build_refusal(256)
     assert "shared memory" in HopperSchedule(block_n=64, q_buffers=2).build_refusal(256)
+
+
+@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if variant[0] == 256], ids=str)
+def test_head_dims_up_to_192_read_192_columns_of_the_256_wide_tiles(hopper_builds, variant):
+    """Head dims 136-192 build with 192 columns (schedule.product_columns): Q·Kᵀ over 128 and 64
+    columns, P·V into a 128- and a 64-column accumulator, no product 256 columns wide."""
+    build = hopper_builds[",".join(map(str, variant))]
+    if "columns_192" in variant:
+        assert 256 not in build["wgmma_columns"] and {64, 128} <= set(build["wgmma_columns"])
+    else:
+        assert 256 in build["wgmma_columns"]
+    assert [product_columns(d) for d in (64, 128, 136, 160, 192, 200, 256)] == [64, 128, 192, 192, 192, 256, 256]
 
 
 def params_of(batch, seqlen, head_dim, causal, dtype=torch.bfloat16):

@@ -83,8 +83,8 @@ Supported
   ``torch.export`` trace with); nothing is launched.
 * ``return_lse``: natural-log log-sum-exp, float32, shape (B, Hq, Sq); not differentiable.
 * Backward: ``attention`` and ``scaled_dot_product_attention`` are differentiable in q, k
-  and v (every case above). On Hopper (sm_90, fp16/bf16, D 64 or 128, dense or packed) a warp-specialised
-  Gluon kernel runs it and adds dQ with atomic adds, so dQ may differ in the last bits run to run;
+  and v (every case above). On Hopper (sm_90, fp16/bf16, head dims that are multiples of 8, dense or
+  packed, every score feature) a warp-specialised Gluon kernel runs it and adds dQ with atomic adds, so dQ may differ in the last bits run to run;
   ``deterministic=True`` runs the portable backward, which uses none (bitwise reproducible).
 * ``torch.compile(fullgraph=True)``: the ops are ``torch.library`` custom ops (``fmha::forward``,
   ``fmha::backward``) with fake implementations.

@@ -509,8 +509,9 @@ def _consumer_tile(
         DK, DV, stride_kn, stride_kh = packed[0], packed[1], packed[2], packed[3]
         offset = k_start.to(gl.int64) * stride_kn + kv_head.to(gl.int64) * stride_kh
         _store_rows((dk * scale).to(dtype), own_staging, DK + offset, stride_kn, own_first_key, seqlen_k,
-                    dk_desc.shape[3])
-        _store_rows(dv.to(dtype), own_staging, DV + offset, stride_kn, own_first_key, seqlen_k, dk_desc.shape[3])
+                    dk_desc.shape[3], CONSUMER_KEYS, HEAD_DIM, HEAD_DIM)
+        _store_rows(dv.to(dtype), own_staging, DV + offset, stride_kn, own_first_key, seqlen_k, dk_desc.shape[3],
+                    CONSUMER_KEYS, HEAD_DIM, HEAD_DIM)
     else:  # the descriptors clip keys past the end of K
         _store_rows_of((dk * scale).to(dtype), own_staging, dk_desc, [batch, kv_head, k_start + own_first_key, 0])
         _store_rows_of(dv.to(dtype), own_staging, dv_desc, [batch, kv_head, k_start + own_first_key, 0])

@@ -21,7 +21,7 @@ from ..triton.launch import TileList, tma_compatible, window_bounds
 from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
 from .launch import (_MASK_POINTER_TYPES, _MASK_STRIDE_ARGS, NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout,
                      build_gluon, score_arguments)
-from .schedule import tile_head_dim
+from .schedule import product_columns, tile_head_dim
 
 KEYS_PER_CONSUMER = CONSUMER_KEYS.value
 
@@ -296,11 +296,6 @@ WIDE_BLOCK_M = 64
 WIDE_DQ_COLUMNS = 64
 
 
-def wide_backward_columns(head_dim: int) -> int:
-    """The columns the 256-wide backward's products read: 192 for head dims up to 192, else 256."""
-    return 192 if head_dim <= 192 else WIDE_TILE_HEAD_DIM
-
-
 def hopper_wide_backward_source(dtype: torch.dtype, has_left: bool, has_right: bool, head_group: int,
                                 features: ScoreFeatures = NO_FEATURES, varlen: bool = False,
                                 columns: int = WIDE_TILE_HEAD_DIM):
@@ -356,7 +351,7 @@ class HopperWideBackward:
         has_left, has_right, lo, hi = window_bounds(params)
         head_group = 4 if has_right and not has_left else 0
         features = ScoreFeatures.of(params.options)
-        self.columns = wide_backward_columns(params.head_dim)
+        self.columns = product_columns(params.head_dim)
         built = compiled_hopper_wide_backward(params.device, params.dtype, has_left, has_right, head_group, features,
                                               params.varlen, self.columns)
         if isinstance(built, KernelBuildError):

@@ -219,14 +219,113 @@ def _alibi_key_terms(staging, slope, qk_scale, BLOCK_N: gl.constexpr):
     return tiles.slice(BLOCK_N, ROWS), tiles.slice(0, BLOCK_N).permute((1, 0))
 
 
+# With COLUMNS < HEAD_DIM (head dims up to 192 on the 256-wide tiles) the products read the first
+# COLUMNS columns of Q, K and V, and the output accumulator is a pair: columns [0, 128) and
+# [128, COLUMNS) (Gluon's tensors have power-of-two shapes).
+SPLIT_COLUMNS = gl.constexpr(128)
+
+
 @gluon.jit
-def _scores(q, k, initial, mods, ALIBI: gl.constexpr):
-    """Issues Q·Kᵀ (async), plus ALiBi's key term with ALIBI_CAUSAL_MMA."""
-    scores = warpgroup_mma(q, k, initial, use_acc=False, is_async=True)
+def _scores(q, k, initial, mods, ALIBI: gl.constexpr, COLUMNS: gl.constexpr):
+    """Issues Q·Kᵀ (async) over Q's and K's first COLUMNS columns (k: the [BLOCK_N, HEAD_DIM] tile),
+    plus ALiBi's key term with ALIBI_CAUSAL_MMA."""
+    if COLUMNS == k.shape[1]:
+        scores = warpgroup_mma(q, k.permute((1, 0)), initial, use_acc=False, is_async=True)
+    else:
+        REST: gl.constexpr = COLUMNS - SPLIT_COLUMNS
+        scores = warpgroup_mma(q.slice(0, SPLIT_COLUMNS, dim=1), k.slice(0, SPLIT_COLUMNS, dim=1).permute((1, 0)),
+                               initial, use_acc=False, is_async=True)
+        scores = warpgroup_mma(q.slice(SPLIT_COLUMNS, REST, dim=1), k.slice(SPLIT_COLUMNS, REST, dim=1).permute((1, 0)),
+                               scores, is_async=True)
     if ALIBI == ALIBI_CAUSAL_MMA:
         ones, terms = mods[5]
         scores = warpgroup_mma(ones, terms, scores, is_async=True)
     return scores
+
+
+@gluon.constexpr_function
+def _score_groups(head_dim, columns):
+    """wgmma groups Q·Kᵀ issues (one per product)."""
+    return 1 if columns == head_dim else 2
+
+
+@gluon.jit
+def _zero_output(ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
+    """The output accumulator of a tile: [ROWS, HEAD_DIM], or the pair of its first COLUMNS columns."""
+    if COLUMNS == HEAD_DIM:
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=accumulator_layout(HEAD_DIM))
+    else:
+        acc = (gl.zeros([ROWS, SPLIT_COLUMNS], gl.float32, layout=accumulator_layout(SPLIT_COLUMNS)),
+               gl.zeros([ROWS, COLUMNS - SPLIT_COLUMNS], gl.float32,
+                        layout=accumulator_layout(COLUMNS - SPLIT_COLUMNS)))
+    return acc
+
+
+@gluon.jit
+def _output_product(p, v, acc, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
+    """Issues acc += P·V (async; v: the [BLOCK_N, HEAD_DIM] tile)."""
+    if COLUMNS == HEAD_DIM:
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+    else:
+        REST: gl.constexpr = COLUMNS - SPLIT_COLUMNS
+        low = warpgroup_mma(gl.convert_layout(p, operand_layout(SPLIT_COLUMNS), assert_trivial=True),
+                            v.slice(0, SPLIT_COLUMNS, dim=1), acc[0], is_async=True)
+        high = warpgroup_mma(gl.convert_layout(p, operand_layout(REST), assert_trivial=True),
+                             v.slice(SPLIT_COLUMNS, REST, dim=1), acc[1], is_async=True)
+        acc = (low, high)
+    return acc
+
+
+@gluon.jit
+def _output_wait(acc, row_sum, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
+    """Waits for every product issued, P·V and the row sums among them."""
+    if COLUMNS == HEAD_DIM:
+        acc, row_sum = warpgroup_mma_wait(0, deps=(acc, row_sum))
+    else:
+        low, high, row_sum = warpgroup_mma_wait(0, deps=(acc[0], acc[1], row_sum))
+        acc = (low, high)
+    return acc, row_sum
+
+
+@gluon.jit
+def _output_times(acc, factor, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
+    """acc · factor per row (factor: [ROWS] in any row layout)."""
+    if COLUMNS == HEAD_DIM:
+        acc = acc * gl.convert_layout(factor, gl.SliceLayout(1, accumulator_layout(HEAD_DIM)))[:, None]
+    else:
+        acc = (acc[0] * gl.convert_layout(factor, gl.SliceLayout(1, accumulator_layout(SPLIT_COLUMNS)))[:, None],
+               acc[1] * gl.convert_layout(factor, gl.SliceLayout(1, acc[1].type.layout))[:, None])
+    return acc
+
+
+@gluon.jit
+def _output_over(acc, divisor, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
+    """acc / divisor per row."""
+    if COLUMNS == HEAD_DIM:
+        acc = acc / gl.convert_layout(divisor, gl.SliceLayout(1, accumulator_layout(HEAD_DIM)))[:, None]
+    else:
+        acc = (acc[0] / gl.convert_layout(divisor, gl.SliceLayout(1, accumulator_layout(SPLIT_COLUMNS)))[:, None],
+               acc[1] / gl.convert_layout(divisor, gl.SliceLayout(1, acc[1].type.layout))[:, None])
+    return acc
+
+
+@gluon.jit
+def _output_to(acc, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
+    if COLUMNS == HEAD_DIM:
+        out = acc.to(dtype)
+    else:
+        out = (acc[0].to(dtype), acc[1].to(dtype))
+    return out
+
+
+@gluon.jit
+def _stage_output(out, staging, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
+    """The output tile into the [ROWS, HEAD_DIM] staging buffer (its first COLUMNS columns)."""
+    if COLUMNS == HEAD_DIM:
+        staging.store(out)
+    else:
+        staging.slice(0, SPLIT_COLUMNS, dim=1).store(out[0])
+        staging.slice(SPLIT_COLUMNS, COLUMNS - SPLIT_COLUMNS, dim=1).store(out[1])
 
 
 @gluon.jit
@@ -731,6 +830,7 @@ def _pipelined_blocks(
     MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr, TURN: gl.constexpr,
     MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
+    COLUMNS: gl.constexpr,
 ):
     """Key blocks [block_start, block_end), each issued with the previous block's P·V; key block b
     sits at ring position ring_base + b. ``probs``: those of the block before (:func:`_packed_block`);
@@ -738,7 +838,6 @@ def _pipelined_blocks(
     the block ended (:func:`masks_at_tail`)."""
     ROWS: gl.constexpr = q.shape[0]
     p_layout: gl.constexpr = operand_layout(HEAD_DIM)
-    o_rows: gl.constexpr = gl.SliceLayout(1, accumulator_layout(HEAD_DIM))
     no_scores = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=accumulator_layout(BLOCK_N))
     PACKED_P: gl.constexpr = packs_probs(CONSUMERS, PACK_P)
     for block in range(block_start, block_end):
@@ -746,31 +845,31 @@ def _pipelined_blocks(
         slot = position % STAGES
         prev_slot = (position - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (position // STAGES) & 1)
-        k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+        k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
         if TURN >= 0:  # everything but the products before the turn
             p, whole_p = _p_operand(probs, draws, mods[3], v_smem.dtype, p_layout, DROPOUT, ROW_SUM_MMA)
             _take_turn(TURN)
-        scores = _scores(q, k, no_scores, mods, ALIBI)
+        scores = _scores(q, k, no_scores, mods, ALIBI, COLUMNS)
         mask_tile = _block_mask(mods, block * BLOCK_N, keys0, seqlen_k, score_args, MASKED, MASK, MASK_KEYS)
         mbarrier.wait(v_ready.index(prev_slot), ((position - 1) // STAGES) & 1)
         v = v_smem.index(prev_slot).reshape([BLOCK_N, HEAD_DIM])  # [BLOCK_N, HEAD_DIM]
         if TURN < 0:
             p, whole_p = _p_operand(probs, draws, mods[3], v_smem.dtype, p_layout, DROPOUT, ROW_SUM_MMA)
-        acc = warpgroup_mma(p, v, acc, is_async=True)
+        acc = _output_product(p, v, acc, HEAD_DIM, COLUMNS)
         row_sum = _summed_rows(whole_p, ones, row_sum, ROW_SUM_MMA)
         _pass_turn(TURN)
         # wgmma groups retire in order: this waits for the scores, not for P·V (nor the row sums).
-        scores = warpgroup_mma_wait(2 if ROW_SUM_MMA else 1, deps=(scores,))
+        scores = warpgroup_mma_wait(_score_groups(HEAD_DIM, COLUMNS) + (1 if ROW_SUM_MMA else 0), deps=(scores,))
         slot_barriers.signal(_k_slot_barrier(slot), _slot_threads(CONSUMERS))
         probs, rescale, row_max, row_sum = _softmax_block(
             scores, row_max, row_sum, rows, keys0, block * BLOCK_N, seqlen_k, lo, hi, qk_scale, mods, mask_tile,
             MASKED, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, SOFTCAP, ALIBI, MASK, MASK_KEYS, ROW_SUM_MMA)
         if DROPOUT:  # the row sum counts every probability, P·V only the kept ones
             draws = dropout_draws(block * BLOCK_N, mods[3], BLOCK_N)
-        acc, row_sum = warpgroup_mma_wait(0, deps=(acc, row_sum))
+        acc, row_sum = _output_wait(acc, row_sum, HEAD_DIM, COLUMNS)
         slot_barriers.signal(_v_slot_barrier(prev_slot, STAGES), _slot_threads(CONSUMERS))
         if SOFTCAP != SOFTCAP_BOUNDED:
-            acc = acc * gl.convert_layout(rescale, o_rows)[:, None]
+            acc = _output_times(acc, rescale, HEAD_DIM, COLUMNS)
             if ROW_SUM_MMA:
                 row_sum = row_sum * gl.convert_layout(rescale, gl.SliceLayout(1, row_sum.type.layout))[:, None]
         probs = _packed_block(probs, draws, mods[3], v_smem.dtype, PACKED_P, DROPOUT, ROW_SUM_MMA)
@@ -778,29 +877,30 @@ def _pipelined_blocks(
 
 
 @gluon.jit
-def _store_output(out, staging, o_desc, coordinates):
-    """A tile of the output through shared memory and a bulk tensor store."""
+def _store_output(out, staging, o_desc, coordinates, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
+    """A tile of the output through shared memory and a bulk tensor store (which leaves out the
+    columns past the call's head dim)."""
+    ROWS: gl.constexpr = o_desc.block_type.shape[2]
     tma.store_wait(0)  # the previous tile's output has left the staging buffer
-    staging.reshape(out.shape).store(out)
+    _stage_output(out, staging.reshape([ROWS, HEAD_DIM]), HEAD_DIM, COLUMNS)
     fence_async_shared()
     tma_store(o_desc, coordinates, staging)
 
 
 @gluon.jit
-def _store_rows(out, staging, base, stride_row, row0, num_rows, num_columns):
+def _store_rows(out, staging, base, stride_row, row0, num_rows, num_columns, ROWS: gl.constexpr,
+                HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
     """Rows row0 + i < num_rows, columns under num_columns (the call's head dim, which the tile's
     may exceed), of a tile, through the staging buffer (no room for another) and plain stores."""
-    ROWS: gl.constexpr = out.shape[0]
-    COLUMNS: gl.constexpr = out.shape[1]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     tma.store_wait(0)  # the previous tile's output has left the staging buffer
-    staging = staging.reshape(out.shape)
-    staging.store(out)
+    staging = staging.reshape([ROWS, HEAD_DIM])
+    _stage_output(out, staging, HEAD_DIM, COLUMNS)
     cta_barrier()  # every row is in shared memory before any thread reads another's
     out = staging.load(layout)
     cta_barrier()  # and read before the next tile writes the buffer again
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    columns = gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
+    columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     pointers = base + rows.to(gl.int64)[:, None] * stride_row + columns[None, :]
     gl.store(pointers, out, mask=(rows[:, None] < num_rows) & (columns[None, :] < num_columns))
 
@@ -812,7 +912,7 @@ def _consumer_tile(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr,
-    ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr, words,
+    ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr, COLUMNS: gl.constexpr, words,
 ):
     """One tile of a consumer: its 64 rows' output and LSE. ``step``: the program's step, or with
     DYNAMIC the tile itself (and a packed tile's :func:`_sequence_words` from the load warp);
@@ -831,10 +931,8 @@ def _consumer_tile(
     dtype: gl.constexpr = o_desc.dtype
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
     s_layout: gl.constexpr = accumulator_layout(BLOCK_N)
-    o_layout: gl.constexpr = accumulator_layout(HEAD_DIM)
     p_layout: gl.constexpr = operand_layout(HEAD_DIM)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     keys0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
     PACKED_P: gl.constexpr = packs_probs(CONSUMERS, PACK_P)
@@ -855,7 +953,7 @@ def _consumer_tile(
             mods = mods + (_alibi_key_terms(o_smem.index(CONSUMER), mods[1], qk_scale, BLOCK_N),)
         row_max = _initial_max(mods, ROWS, s_rows, SOFTCAP)
         row_sum = _no_row_sum(ROWS, s_rows, ROW_SUM_MMA)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+        acc = _zero_output(ROWS, HEAD_DIM, COLUMNS)
         q_slot = CONSUMER * Q_BUFFERS + tile_count % Q_BUFFERS
         mbarrier.wait(q_ready.index(q_slot), (tile_count // Q_BUFFERS) & 1)
         q = q_smem.index(q_slot).reshape([ROWS, HEAD_DIM])  # [ROWS, HEAD_DIM]
@@ -863,9 +961,9 @@ def _consumer_tile(
             # The first block: scores and probabilities; its P·V is issued with the next block's Q·Kᵀ.
             slot = ring_position % STAGES
             mbarrier.wait(k_ready.index(slot), (ring_position // STAGES) & 1)
-            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))  # [HEAD_DIM, BLOCK_N]
+            k = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
             _take_turn(TURN)
-            scores = _scores(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), mods, ALIBI)
+            scores = _scores(q, k, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), mods, ALIBI, COLUMNS)
             _pass_turn(TURN)
             mask_tile = _block_mask(mods, start * BLOCK_N, keys0, seq_k, score_args, True, MASK, MASK_KEYS)
             scores = warpgroup_mma_wait(0, deps=(scores,))
@@ -887,12 +985,12 @@ def _consumer_tile(
                     acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                     rows, keys0, ring_base, start + 1, unmasked_start, seq_k, seq_lo, seq_hi, qk_scale,
                     mods, score_args, ones, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, HAS_LEFT, HAS_RIGHT,
-                    EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA)
+                    EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, COLUMNS)
             acc, probs, draws, row_max, row_sum = _pipelined_blocks(
                 acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_start, unmasked_end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, score_args, ones, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, False, HAS_LEFT, HAS_RIGHT,
-                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA)
+                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, COLUMNS)
             # With WIDE_LEFT the blocks at the right end lie right of every row's left bound: one
             # compare per score instead of two.
             RIGHT_END_LEFT: gl.constexpr = HAS_LEFT and not (HAS_LEFT == WIDE_LEFT and HAS_RIGHT)
@@ -900,17 +998,17 @@ def _consumer_tile(
                 acc, probs, draws, row_max, row_sum, q, k_smem, v_smem, k_ready, v_ready,
                 rows, keys0, ring_base, unmasked_end, end, seq_k, seq_lo, seq_hi, qk_scale,
                 mods, score_args, ones, HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, True, RIGHT_END_LEFT, HAS_RIGHT,
-                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA)
+                EMULATED_EXP2, SOFTCAP, ALIBI, DROPOUT, TURN, MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, COLUMNS)
             last = ring_position + end - start - 1
             last_slot = last % STAGES
             mbarrier.wait(v_ready.index(last_slot), (last // STAGES) & 1)
             v = v_smem.index(last_slot).reshape([BLOCK_N, HEAD_DIM])
             p, whole_p = _p_operand(probs, draws, mods[3], dtype, p_layout, DROPOUT, ROW_SUM_MMA)
             _take_turn(TURN)
-            acc = warpgroup_mma(p, v, acc, is_async=True)
+            acc = _output_product(p, v, acc, HEAD_DIM, COLUMNS)
             row_sum = _summed_rows(whole_p, ones, row_sum, ROW_SUM_MMA)
             _pass_turn(TURN)
-            acc, row_sum = warpgroup_mma_wait(0, deps=(acc, row_sum))
+            acc, row_sum = _output_wait(acc, row_sum, HEAD_DIM, COLUMNS)
             slot_barriers.signal(_v_slot_barrier(last_slot, STAGES), _slot_threads(CONSUMERS))
         row_sum = _row_sums(row_sum, s_rows, ROW_SUM_MMA)
         if not OUTPUT_IN_Q:
@@ -929,14 +1027,14 @@ def _consumer_tile(
             factor = gl.where(seen, kept / total, 0.0)
             if DROPOUT:  # kept probabilities count 1 / (1 - p) times
                 factor = factor * score_args[8]
-            out = acc * gl.convert_layout(factor, o_rows)[:, None]
+            out = _output_times(acc, factor, HEAD_DIM, COLUMNS)
             lse = gl.where(seen, (top + gl.log2(total)) * LN_2, float("-inf"))
         else:
             row_sum_safe = gl.where(seen, row_sum, 1.0)
             if DROPOUT:  # kept probabilities count 1 / (1 - p) times
-                out = acc * gl.convert_layout(score_args[8] / row_sum_safe, o_rows)[:, None]
+                out = _output_times(acc, score_args[8] / row_sum_safe, HEAD_DIM, COLUMNS)
             else:
-                out = acc / gl.convert_layout(row_sum_safe, o_rows)[:, None]
+                out = _output_over(acc, row_sum_safe, HEAD_DIM, COLUMNS)
             lse = gl.where(seen, (row_max + gl.log2(row_sum_safe)) * LN_2, float("-inf"))
         if VARLEN:  # (Hq, total_q)
             lse_base = Lse + head.to(gl.int64) * stride_lh + q_start
@@ -945,13 +1043,15 @@ def _consumer_tile(
         gl.store(lse_base + rows, lse, mask=rows < seq_q)
         if VARLEN:
             if row0 + ROWS <= seq_q:
-                _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, q_start + row0, 0])
+                _store_output(_output_to(out, dtype, HEAD_DIM, COLUMNS), o_smem.index(CONSUMER), o_desc,
+                              [batch, head, q_start + row0, 0], HEAD_DIM, COLUMNS)
             else:  # the sequence ends inside the tile: its rows only (the next sequence's follow)
-                _store_rows(out.to(dtype), o_smem.index(CONSUMER),
+                _store_rows(_output_to(out, dtype, HEAD_DIM, COLUMNS), o_smem.index(CONSUMER),
                             Out + q_start.to(gl.int64) * stride_om + head.to(gl.int64) * stride_oh, stride_om, row0,
-                            seq_q, o_desc.shape[3])
+                            seq_q, o_desc.shape[3], ROWS, HEAD_DIM, COLUMNS)
         else:  # the descriptor clips rows past the end
-            _store_output(out.to(dtype), o_smem.index(CONSUMER), o_desc, [batch, head, row0, 0])
+            _store_output(_output_to(out, dtype, HEAD_DIM, COLUMNS), o_smem.index(CONSUMER), o_desc,
+                          [batch, head, row0, 0], HEAD_DIM, COLUMNS)
         if OUTPUT_IN_Q:  # the output has left the Q buffer (the issuing thread waits, the others
             # wait for it): the load warp may refill it
             tma.store_wait(0)
@@ -970,7 +1070,7 @@ def _consumer_partition(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
-    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr,
+    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr, COLUMNS: gl.constexpr,
 ):
     num_tiles, seqlen_k, score_args = shared[10], shared[15], shared[19]
     TURN: gl.constexpr = CONSUMER if PINGPONG else -1
@@ -989,7 +1089,7 @@ def _consumer_partition(
                 ring_position, tile_count = _consumer_tile(
                     tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
                     STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
-                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, words)
+                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS, words)
                 handed += 1
                 tile, words = take_tile(tile_slots, handed)
         else:
@@ -998,7 +1098,7 @@ def _consumer_partition(
                 ring_position, tile_count = _consumer_tile(
                     tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
                     STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
-                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, ())
+                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS, ())
                 handed += 1
                 tile = take_tile(tile_slots, handed)
     else:
@@ -1006,7 +1106,7 @@ def _consumer_partition(
             ring_position, tile_count = _consumer_tile(
                 step, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
                 HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
-                MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, ())
+                MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS, ())
     if TURN == 0:  # take consumer 1's last turn: no named barrier is left half-arrived
         _take_turn(TURN)
     tma.store_wait(0)
@@ -1023,7 +1123,7 @@ def attention_forward_hopper_kernel(
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
-    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr,
+    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr, COLUMNS: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; with DYNAMIC they take them
     from the int32 counter at TileCounter (zero at launch, and zero again at the end) instead, one at a time, longest first; descriptors are (B, H, S, D)
@@ -1045,7 +1145,9 @@ def attention_forward_hopper_kernel(
     its keys lie, :data:`fmha.backends.gluon_sm90.scores.PAIRED_MASK_KEYS` and the others). ROW_SUM_MMA:
     the row sums from the tensor cores (:func:`_summed_rows`; with DROPOUT of P before the keep masks).
     OUTPUT_IN_Q (one Q buffer): each consumer stages its output in its Q buffer, released to the
-    load warp once the output has left (D = 256, where a staging tile of its own does not fit)."""
+    load warp once the output has left (D = 256, where a staging tile of its own does not fit).
+    COLUMNS: the columns of Q, K and V the products read and of the output they write (HEAD_DIM, or
+    192 for head dims up to 192 on the 256-wide tiles)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
     ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype, OUTPUT_IN_Q)
@@ -1097,30 +1199,30 @@ def attention_forward_hopper_kernel(
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
              (_consumer_partition, (shared, tile_slots, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q)),
+                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))

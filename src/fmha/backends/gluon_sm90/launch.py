@@ -20,7 +20,7 @@ from .forward import WIDE_LEFT, attention_forward_hopper_kernel
 from .scores import (ALIBI_ANY, ALIBI_CAUSAL, ALIBI_OFF, BOOL_MASK, FLOAT_MASK, NO_MASK, PAIRED_MASK_KEYS,
                      SOFTCAP_BOUNDED, SOFTCAP_OFF, SOFTCAP_RUNNING, STRIDED_MASK_KEYS, UNIT_MASK_KEYS)
 from .schedule import (CONSUMER_ROWS, PINGPONG_LONG_SOFTMAX, PINGPONG_ON, HopperSchedule, register_budget,
-                       softcap_kind, tile_head_dim)
+                       product_columns, softcap_kind, tile_head_dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,12 +159,15 @@ _INTEGER_ARGS = ("num_q_heads", "group_size", "seqlen_q", "seqlen_k", "lo", "hi"
 
 
 def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, schedule: HopperSchedule,
-                          has_left: int = 0, varlen: bool = False, features: ScoreFeatures = NO_FEATURES):
+                          has_left: int = 0, varlen: bool = False, features: ScoreFeatures = NO_FEATURES,
+                          columns: int | None = None):
     """The Gluon forward's compile source for one static configuration, and its constexpr values.
 
     ``head_dim``: the tiles' width (:func:`fmha.backends.gluon_sm90.schedule.tile_head_dim`); ``causal``: the window has a right bound (HAS_RIGHT); ``has_left``: and a left one (HAS_LEFT,
     :func:`left_bound`: 1, or WIDE_LEFT for a wide window);
-    ``varlen``: packed sequences; ``features``: softcap, ALiBi, sinks, dropout and the attn_mask.
+    ``varlen``: packed sequences; ``features``: softcap, ALiBi, sinks, dropout and the attn_mask;
+    ``columns``: the columns the products read (:func:`fmha.backends.gluon_sm90.schedule.product_columns`;
+    None: the tiles' width).
 
     The integer arguments carry no value specialisation, so one binary serves every shape.
     """
@@ -182,7 +185,8 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "PINGPONG": takes_turns(schedule, features), "PACK_P": schedule.pack_p,
                  "MASK": features.mask_constexpr,
                  "MASK_KEYS": features.mask_keys,
-                 "ROW_SUM_MMA": schedule.row_sum_mma, "OUTPUT_IN_Q": schedule.output_in_q(head_dim)}
+                 "ROW_SUM_MMA": schedule.row_sum_mma, "OUTPUT_IN_Q": schedule.output_in_q(head_dim),
+                 "COLUMNS": head_dim if columns is None else columns}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
                  "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",
@@ -223,14 +227,14 @@ def left_bound(params: AttentionParams, schedule: HopperSchedule) -> int:
 @functools.lru_cache(maxsize=None)
 def compiled_hopper_forward(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool,
                             schedule: HopperSchedule, has_left: int = 0, varlen: bool = False,
-                            features: ScoreFeatures = NO_FEATURES):
+                            features: ScoreFeatures = NO_FEATURES, columns: int | None = None):
     """Compiled once per device and static configuration (Triton's disk cache still applies).
 
     A failed build is remembered too, and raises :class:`fmha.runtime.KernelBuildError` (the
     dispatcher then falls back to the portable kernel) on every later request.
     """
     return build_gluon(device, lambda: hopper_forward_source(dtype, head_dim, causal, schedule, has_left, varlen,
-                                                             features),
+                                                             features, columns),
                        hopper_compile_options(schedule, varlen), "forward")
 
 
@@ -274,7 +278,7 @@ class HopperForward:
         self.schedule, self.device, self.varlen = schedule, params.device, params.varlen
         features = ScoreFeatures.forward_of(params)
         self.build = (params.device, params.dtype, tile_head_dim(params.head_dim), has_right, schedule,
-                      left_bound(params, schedule), params.varlen, features)
+                      left_bound(params, schedule), params.varlen, features, product_columns(params.head_dim))
         built = compiled_hopper_forward(*self.build)
         if isinstance(built, KernelBuildError):
             raise built
@@ -334,8 +338,8 @@ class HopperForward:
 
     def _mask_build(self, mask_keys: int):
         """The build for an attn_mask whose keys lie otherwise than the first call's."""
-        *build, features = self.build
-        built = compiled_hopper_forward(*build, dataclasses.replace(features, mask_keys=mask_keys))
+        *build, features, columns = self.build
+        built = compiled_hopper_forward(*build, dataclasses.replace(features, mask_keys=mask_keys), columns)
         if isinstance(built, KernelBuildError):
             raise built
         self.mask_builds[mask_keys] = built[0]

@@ -31,6 +31,13 @@ def tile_head_dim(head_dim: int) -> int | None:
     return next((tile for tile in TILE_HEAD_DIMS if head_dim <= tile), None)
 
 
+def product_columns(head_dim: int) -> int | None:
+    """The columns of Q, K and V that the kernels' products read: the tile's width, or 192 for head
+    dims 136-192 on the 256-wide tiles (a quarter fewer products; None: too wide)."""
+    tile = tile_head_dim(head_dim)
+    return 192 if tile == 256 and head_dim <= 192 else tile
+
+
 def head_dim_refusal(head_dim: int) -> str | None:
     """Why the Gluon kernels cannot take this head dim (None: they can)."""
     if head_dim % 8:
