@@ -349,9 +349,13 @@ def main():
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", default="random_calls.log")
+    parser.add_argument("--head-dims", help="comma-separated head dims to draw from (default: %s)"
+                        % ",".join(map(str, sorted(set(HEAD_DIMS)))))
     parser.add_argument("--worker-seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--replay", help="a failure's JSON line: run that case alone")
     args = parser.parse_args()
+    if args.head_dims:
+        HEAD_DIMS[:] = [int(d) for d in args.head_dims.split(",")]
     if args.replay:
         run_case(json.loads(args.replay))
         print("ok")
@@ -362,7 +366,9 @@ def main():
     started = time.time()
     with open(args.log, "w") as log, open(args.log + ".err", "w") as errors:
         processes = [subprocess.Popen([sys.executable, __file__, "--worker-seed", str(args.seed * 1000 + i),
-                                       "--seconds", str(args.seconds)], stdout=log, stderr=errors)
+                                       "--seconds", str(args.seconds),
+                                       *(["--head-dims", args.head_dims] if args.head_dims else [])],
+                                      stdout=log, stderr=errors)
                      for i in range(args.workers)]
         for process in processes:
             process.wait()
