@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ...compat import cta_barrier, tma_load
 from .backward import LOG2_E, _add_dq_tile, _program_tile, backward_registers
-from .forward import CONSUMER_WARPS, accumulator_layout, operand_layout
+from .forward import CONSUMER_WARPS, accumulator_layout, columns_product, operand_layout
 from .masking import query_blocks, visible_block_transposed
 from .scores import (NO_MASK, STRIDED_MASK_KEYS, dropout_key, expand_mask, masked_scores, modified_scores, pair_rows,
                      transposed_draw_layout, transposed_keep_bits, unpack_keep)
@@ -152,7 +152,7 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
                 keep_bits = transposed_keep_bits(first_key, key_rows, row_words, dropout_key(RngState), high_bound,
                                                  BLOCK_M)
             mbarrier.wait(q_ready.index(slot), (position // 2) & 1)
-            scores_t = _scores_product(keys_all, q, no_scores, COLUMNS)
+            scores_t = columns_product(keys_all, q, no_scores, COLUMNS)
             lse = gl.load(Lse2 + rows_base + rows)  # log2 units; padded rows +inf
             if MASK != NO_MASK:  # the attn_mask's [keys, rows] tile, read while Sᵀ runs
                 mask_rows = gl.minimum(rows, seqlen_q - 1)
@@ -196,7 +196,7 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         else:  # dPᵀ, then dSᵀ for both consumers
             mbarrier.wait(do_ready, phase)
-            dprobs_t = _scores_product(values_all, do, no_scores, COLUMNS)
+            dprobs_t = columns_product(values_all, do, no_scores, COLUMNS)
             delta = gl.load(Delta + rows_base + rows)
             dprobs_t = warpgroup_mma_wait(0, deps=(dprobs_t,))
             mbarrier.wait(p_ready, phase)
@@ -229,18 +229,6 @@ def _wide_steps(dk, dv, shared, rows_base, batch, head, keys, position_base, m_f
         mbarrier.arrive(ds_free, count=1)  # the consumer's products that read dSᵀ are done
         _add_dq_tile(dq_t, own_dq, dq_desc, [batch, head, q_start + m, DQ_LAST])
     return dk, dv
-
-
-@gluon.jit
-def _scores_product(keys_all, rows, init, COLUMNS: gl.constexpr):
-    """keys_all · rowsᵀ over the first COLUMNS columns (256, or 128 then 64), issued async."""
-    if COLUMNS == keys_all.shape[1]:
-        return warpgroup_mma(keys_all, rows.permute((1, 0)), init, use_acc=False, is_async=True)
-    REST: gl.constexpr = COLUMNS - HALF_COLUMNS
-    product = warpgroup_mma(keys_all.slice(0, HALF_COLUMNS, dim=1), rows.slice(0, HALF_COLUMNS, dim=1).permute((1, 0)),
-                            init, use_acc=False, is_async=True)
-    return warpgroup_mma(keys_all.slice(HALF_COLUMNS, REST, dim=1), rows.slice(HALF_COLUMNS, REST, dim=1).permute((1, 0)),
-                         product, is_async=True)
 
 
 @gluon.jit

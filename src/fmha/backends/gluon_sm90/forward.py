@@ -226,17 +226,25 @@ SPLIT_COLUMNS = gl.constexpr(128)
 
 
 @gluon.jit
+def columns_product(a, b, initial, COLUMNS: gl.constexpr):
+    """Issues a · bᵀ (async) over the first COLUMNS columns of the shared-memory tiles a and b: one
+    product, or two (SPLIT_COLUMNS, then the rest) where COLUMNS is narrower than the tiles."""
+    if COLUMNS == a.shape[1]:
+        product = warpgroup_mma(a, b.permute((1, 0)), initial, use_acc=False, is_async=True)
+    else:
+        REST: gl.constexpr = COLUMNS - SPLIT_COLUMNS
+        product = warpgroup_mma(a.slice(0, SPLIT_COLUMNS, dim=1), b.slice(0, SPLIT_COLUMNS, dim=1).permute((1, 0)),
+                                initial, use_acc=False, is_async=True)
+        product = warpgroup_mma(a.slice(SPLIT_COLUMNS, REST, dim=1), b.slice(SPLIT_COLUMNS, REST, dim=1).permute((1, 0)),
+                                product, is_async=True)
+    return product
+
+
+@gluon.jit
 def _scores(q, k, initial, mods, ALIBI: gl.constexpr, COLUMNS: gl.constexpr):
     """Issues Q·Kᵀ (async) over Q's and K's first COLUMNS columns (k: the [BLOCK_N, HEAD_DIM] tile),
     plus ALiBi's key term with ALIBI_CAUSAL_MMA."""
-    if COLUMNS == k.shape[1]:
-        scores = warpgroup_mma(q, k.permute((1, 0)), initial, use_acc=False, is_async=True)
-    else:
-        REST: gl.constexpr = COLUMNS - SPLIT_COLUMNS
-        scores = warpgroup_mma(q.slice(0, SPLIT_COLUMNS, dim=1), k.slice(0, SPLIT_COLUMNS, dim=1).permute((1, 0)),
-                               initial, use_acc=False, is_async=True)
-        scores = warpgroup_mma(q.slice(SPLIT_COLUMNS, REST, dim=1), k.slice(SPLIT_COLUMNS, REST, dim=1).permute((1, 0)),
-                               scores, is_async=True)
+    scores = columns_product(q, k, initial, COLUMNS)
     if ALIBI == ALIBI_CAUSAL_MMA:
         ones, terms = mods[5]
         scores = warpgroup_mma(ones, terms, scores, is_async=True)
