@@ -73,7 +73,19 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("plain D64 causal S2k", 8, 32, 2048, 64, True, {}),
          ("plain D64 causal S8k", 2, 32, 8192, 64, True, {}),
          ("plain D128 causal S8k", 2, 16, 8192, 128, True, {}),
-         ("plain D64 S8k", 2, 32, 8192, 64, False, {})]
+         ("plain D64 S8k", 2, 32, 8192, 64, False, {}),
+         # head dims 136-192 on the 256-wide tiles
+         ("plain D192", 4, 16, 4096, 192, False, {}),
+         ("plain D192 causal", 4, 16, 4096, 192, True, {}),
+         ("plain D160", 4, 16, 4096, 160, False, {}),
+         ("plain D160 causal", 4, 16, 4096, 160, True, {}),
+         ("plain D192 S16k", 1, 16, 16384, 192, False, {}),
+         ("plain D192 causal S1k", 16, 16, 1024, 192, True, {}),
+         ("softcap 30 D192", 4, 16, 4096, 192, True, {"softcap": 30.0}),
+         ("ALiBi D192", 4, 16, 4096, 192, True, {"alibi": True}),
+         ("dropout 0.1 D192", 4, 16, 4096, 192, True, {"dropout_p": 0.1}),
+         ("window 1024 D192", 1, 16, 16384, 192, True, {"window": (1023, 0)}),
+         ("varlen 9 D192", None, 16, None, 192, True, {})]
 
 
 def feature_arguments(heads, kwargs):

@@ -22,7 +22,10 @@ CASES = {"d128": (4, 16, 4096, 128, False), "d128-causal": (4, 16, 4096, 128, Tr
          "d64": (4, 32, 4096, 64, False), "d64-causal": (4, 32, 4096, 64, True),
          "d128-s16k": (1, 16, 16384, 128, False), "d64-s16k": (1, 32, 16384, 64, False),
          # one long sequence: L2's hit rate falls from S = 32k to 64k (docs/perf.md, session 13)
-         "d128-s32k": (1, 16, 32768, 128, False), "d128-s64k": (1, 16, 65536, 128, False)}
+         "d128-s32k": (1, 16, 32768, 128, False), "d128-s64k": (1, 16, 65536, 128, False),
+         # the `wide` suite's D = 256 backward (the 256-wide tiles' kernel, attention_backward_wide)
+         "d256-s1k": (16, 8, 1024, 256, False), "d256-s1k-causal": (16, 8, 1024, 256, True),
+         "d256-s16k": (1, 8, 16384, 256, False)}
 
 
 def main():

@@ -2,7 +2,7 @@
 of the backward of a saved forward, by the profiler (median of 3). Run it once per tree,
 alternating, to compare two; the output's checksum shows whether the trees compute the same:
 
-    PYTHONPATH=src python benchmarks/varlen_tree_ab.py out.jsonl new
+    PYTHONPATH=src python benchmarks/varlen_tree_ab.py out.jsonl new ["9 sequences,8 x 2048"]
     PYTHONPATH=../old/src python benchmarks/varlen_tree_ab.py out.jsonl old
 """
 
@@ -30,8 +30,9 @@ CASES = [("9 sequences", NINE_SEQUENCES, 16, 16, 128, True),
 
 
 def main():
+    chosen = sys.argv[3].split(",") if len(sys.argv) > 3 else [case[0] for case in CASES]  # optional: case names
     with open(sys.argv[1], "a") as log:
-        for name, lengths, q_heads, kv_heads, head_dim, causal in CASES:
+        for name, lengths, q_heads, kv_heads, head_dim, causal in (case for case in CASES if case[0] in chosen):
             torch.manual_seed(0)
             total = sum(lengths)
             q = torch.randn(total, q_heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -74,7 +74,8 @@ for variant in json.loads(sys.argv[1]):
     sass = sass_of(compiled.asm["cubin"])
     report[",".join(map(str, variant))] = {
         "counts": {op: sass.count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "MUFU.EX2", "MUFU.TANH",
-                                                 "FMNMX", "FADD", "STL", "ISETP", "HSET2", "PRMT")},
+                                                 "FMNMX", "FADD", "STL", "ISETP", "HSET2", "PRMT", "STG.E.128",
+                                                 "STG.E.U16")},
         "hmma": sass.count("HMMA"),  # "HGMMA" does not contain it
         # the N of every warpgroup MMA shape in the PTX (the product's columns)
         "wgmma_columns": sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16",
@@ -195,6 +196,14 @@ def test_attn_mask_builds_read_key_pairs_without_spilling(hopper_builds, variant
         assert loads[str(element_bits)] >= per_block
     else:  # pairs only: never one element alone
         assert loads[str(2 * element_bits)] >= per_block // 2 and loads[str(element_bits)] == 0
+
+
+@pytest.mark.parametrize("variant", [variant for variant in VARIANTS if "varlen" in variant], ids=str)
+def test_packed_tiles_store_their_last_rows_16_bytes_a_thread(hopper_builds, variant):
+    """A packed tile that ends inside its sequence stores its rows without the bulk copy engine:
+    eight columns a thread in one 16-byte store (launch.aligned_rows), never 2 bytes at a time."""
+    counts = hopper_builds[",".join(map(str, variant))]["counts"]
+    assert counts["STG.E.128"] > 0 and counts["STG.E.U16"] == 0
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)

@@ -20,7 +20,7 @@ from ..triton.backward_rows import backward_rows_kernel, finish_dq_kernel
 from ..triton.launch import TileList, tma_compatible, window_bounds
 from .backward import CONSUMER_KEYS, attention_backward_hopper_kernel, backward_registers
 from .launch import (_MASK_POINTER_TYPES, _MASK_STRIDE_ARGS, NO_FEATURES, ScoreFeatures, _HostDescriptor, _shared_layout,
-                     build_gluon, score_arguments)
+                     aligned_rows, build_gluon, score_arguments)
 from .schedule import product_columns, tile_head_dim
 
 KEYS_PER_CONSUMER = CONSUMER_KEYS.value
@@ -150,7 +150,9 @@ def hopper_backward_source(dtype: torch.dtype, head_dim: int, has_left: bool, ha
                  "softcap_scale": "fp32", "dropout_scale": "fp32",
                  **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_backward_hopper_kernel.arg_names
-    return GluonASTSource(attention_backward_hopper_kernel, signature, constants), tuple(constants.values())
+    return (GluonASTSource(attention_backward_hopper_kernel, signature, constants,
+                           aligned_rows(signature, ("DK", "DV"), ("stride_kn", "stride_kh"), dtype)),
+            tuple(constants.values()))
 
 
 def hopper_backward_options(schedule: HopperBackwardSchedule) -> dict:
@@ -326,7 +328,12 @@ def hopper_wide_backward_source(dtype: torch.dtype, has_left: bool, has_right: b
                  **dict.fromkeys(("scale", "qk_scale", "softcap_scale", "dropout_scale"), "fp32"),
                  **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_backward_wide_kernel.arg_names
-    return GluonASTSource(attention_backward_wide_kernel, signature, constants), tuple(constants.values())
+    # dK and dV pass backward_tensors_ok, and the head dim is a multiple of 8 (head_dim_refusal).
+    attrs = aligned_rows(signature, ("DK", "DV"), ("stride_dkb", "stride_dkh", "stride_dkn", "stride_dvb", "stride_dvh",
+                                                   "stride_dvn"), dtype)
+    attrs[(list(signature).index("head_dim"),)] = [["tt.divisibility", 8]]
+    return (GluonASTSource(attention_backward_wide_kernel, signature, constants, attrs),
+            tuple(constants.values()))
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from ...compat import cta_barrier, tma_load
+from ...compat import cta_barrier, reinterpret_shared, tma_load
 from .backward import LOG2_E, _add_dq_tile, _program_tile, backward_registers
 from .forward import CONSUMER_WARPS, accumulator_layout, columns_product, operand_layout
 from .masking import query_blocks, visible_block_transposed
@@ -316,17 +316,39 @@ def _wide_consumer_tile(shared, kv_ready, gradients, num_q_heads, group_size, pa
                              HAS_RIGHT, SOFTCAP, ALIBI, VARLEN, DROPOUT, MASK, COLUMNS)
     if DROPOUT:  # P·dO summed the kept probabilities
         dv = dv * dropout_scale
-    # Plain stores of the consumer's columns (once per program): keys past the sequence's end and
-    # columns past the call's head dim are left out.
-    key_rows = first_key + gl.arange(0, WIDE_KEYS, layout=gl.SliceLayout(1, kv_layout))
-    columns = CONSUMER * HALF_COLUMNS + gl.arange(0, OWN_COLUMNS, layout=gl.SliceLayout(0, kv_layout))
-    inside = (key_rows[:, None] < seqlen_k) & (columns[None, :] < head_dim)
-    key_rows = (k_start + key_rows).to(gl.int64)
+    # The consumer's columns (once per program), through its dQ staging tile: keys past the
+    # sequence's end and columns past the call's head dim are left out.
+    dk = (dk * scale).to(dtype)
+    dv = dv.to(dtype)
+    staging = shared[7].index(CONSUMER)
     dk_base = DK + batch.to(gl.int64) * dk_strides[0] + kv_head.to(gl.int64) * dk_strides[1]
     dv_base = DV + batch.to(gl.int64) * dv_strides[0] + kv_head.to(gl.int64) * dv_strides[1]
-    gl.store(dk_base + key_rows[:, None] * dk_strides[2] + columns[None, :], (dk * scale).to(dtype), mask=inside)
-    gl.store(dv_base + key_rows[:, None] * dv_strides[2] + columns[None, :], dv.to(dtype), mask=inside)
-    tma.store_wait(0)
+    _store_block(dk, staging, dk_base, dk_strides[2], k_start, first_key, seqlen_k, CONSUMER * HALF_COLUMNS, head_dim)
+    _store_block(dv, staging, dv_base, dv_strides[2], k_start, first_key, seqlen_k, CONSUMER * HALF_COLUMNS, head_dim)
+
+
+@gluon.jit
+def _store_block(values, staging, base, stride_row, k_start, first_key, seqlen_k, column0, head_dim):
+    """A consumer's [WIDE_KEYS, columns] block of dK or dV (16-bit) into rows ``first_key``.. and
+    columns ``column0``.. of a (keys, head dim) matrix at ``base``, through ``staging`` (the
+    consumer's float32 dQ tile, the same bytes): the accumulator layout's scattered 4-byte pieces
+    become 16-byte stores along each row."""
+    ROWS: gl.constexpr = values.shape[0]
+    COLUMNS: gl.constexpr = values.shape[1]
+    THREADS_PER_ROW: gl.constexpr = COLUMNS // 8
+    tile = reinterpret_shared(staging, values.dtype, [ROWS, COLUMNS],
+                              gl.NVMMASharedLayout.get_default_for([ROWS, COLUMNS], values.dtype))
+    tma.store_wait(0)  # the last dQ tile (or the block before) has left the buffer
+    cta_barrier()
+    tile.store(values)
+    cta_barrier()  # every row is in shared memory before any thread reads another's
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // THREADS_PER_ROW, THREADS_PER_ROW], [CONSUMER_WARPS, 1],
+                                            [1, 0])
+    out = tile.load(layout)
+    rows = first_key + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    columns = column0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
+    pointers = base + (k_start + rows).to(gl.int64)[:, None] * stride_row + columns[None, :]
+    gl.store(pointers, out, mask=(rows[:, None] < seqlen_k) & (columns[None, :] < head_dim))
 
 
 @gluon.jit

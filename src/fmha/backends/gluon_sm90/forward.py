@@ -910,6 +910,9 @@ def _store_rows(out, staging, base, stride_row, row0, num_rows, num_columns, ROW
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     pointers = base + rows.to(gl.int64)[:, None] * stride_row + columns[None, :]
+    # Head dims are multiples of 8 (and base and stride_row 16-byte multiples, the launchers' attributes):
+    # each thread's 8 columns leave in one 16-byte store.
+    num_columns = num_columns // 8 * 8
     gl.store(pointers, out, mask=(rows[:, None] < num_rows) & (columns[None, :] < num_columns))
 
 

@@ -197,7 +197,19 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "dropout_threshold": "i32", "dropout_scale": "fp32", "num_tiles": "i32",
                  **dict.fromkeys(constants, "constexpr")}
     assert list(signature) == attention_forward_hopper_kernel.arg_names
-    return GluonASTSource(attention_forward_hopper_kernel, signature, constants), tuple(constants.values())
+    return (GluonASTSource(attention_forward_hopper_kernel, signature, constants,
+                           aligned_rows(signature, ("Out",), ("stride_om", "stride_oh"), dtype)),
+            tuple(constants.values()))
+
+
+def aligned_rows(signature: dict, pointers: tuple, strides: tuple, dtype: torch.dtype) -> dict:
+    """Compile attributes that say ``pointers`` are 16-byte aligned and ``strides`` (elements)
+    16-byte multiples, so that rows stored through them leave in 16-byte pieces. Their tensors
+    also have bulk-copy descriptors, which ask the same (:func:`fmha.backends.triton.launch.tma_compatible`;
+    a stride of 0 stands for an unused one)."""
+    names = list(signature)
+    aligned = {**dict.fromkeys(pointers, 16), **dict.fromkeys(strides, 16 // dtype.itemsize)}
+    return {(names.index(name),): [["tt.divisibility", value]] for name, value in aligned.items()}
 
 
 def hopper_compile_options(schedule: HopperSchedule, varlen: bool = False) -> dict:
