@@ -11,6 +11,7 @@ shards=${SHARDS:-6}
 # WORK (optional): where the test ids and shard logs go, so that a run cut off by a time limit leaves them
 work=${WORK:-$(mktemp -d)}
 mkdir -p "$work"
+rm -f "$work"/shard.*  # a reused WORK: the last run's shards and logs would be taken for this run's
 python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only ${2:-tests/} | grep '::' | grep -E "${FILTER:-.}" > "$work/all"
 # PART=i/n runs the i-th of n equal slices of the tests (i from 1): long grids in calls that fit a time limit.
 if [ -n "$PART" ]; then

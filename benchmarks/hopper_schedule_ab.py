@@ -85,7 +85,12 @@ CASES = [("plain D128 causal", 4, 16, 4096, 128, True, {}),
          ("ALiBi D192", 4, 16, 4096, 192, True, {"alibi": True}),
          ("dropout 0.1 D192", 4, 16, 4096, 192, True, {"dropout_p": 0.1}),
          ("window 1024 D192", 1, 16, 16384, 192, True, {"window": (1023, 0)}),
-         ("varlen 9 D192", None, 16, None, 192, True, {})]
+         ("varlen 9 D192", None, 16, None, 192, True, {}),
+         # the 256-wide tiles at D = 256 (the `wide` suite's shapes)
+         ("plain D256 S1k", 16, 8, 1024, 256, False, {}),
+         ("plain D256 causal S1k", 16, 8, 1024, 256, True, {}),
+         ("plain D256", 4, 8, 4096, 256, False, {}),
+         ("plain D256 S16k", 1, 8, 16384, 256, False, {})]
 
 
 def feature_arguments(heads, kwargs):
@@ -207,7 +212,11 @@ def main():
                         lookup.hopper_schedule = shipped_lookup
                 return fmha.attention(q, k, v, causal=causal, config=schedule, **features, **extra)
 
-            out = call()
+            try:
+                out = call()
+            except ValueError as error:  # the backend refuses this schedule for the case (shared memory, registers)
+                print(json.dumps({"case": name, "schedule": label, "skipped": str(error)}), flush=True)
+                continue
             if reference is None:
                 reference = out.float()
             error = (out.float() - reference).abs().max().item()

@@ -5,7 +5,8 @@ the Hopper kernel at D=64 with the default ``HopperSchedule()`` (no emulated exp
 comparison. ``--set short-causal``: the two causal S=1k std shapes, each on the default path and on
 an alternative schedule (D=64: the two-consumer paired persistent schedule beside the default, one
 consumer per CTA and three CTAs per multiprocessor; D=128: the per-tile grid beside the paired
-persistent default). ``--set below-cudnn``: the default path on each case that stays below SDPA cuDNN.
+persistent default). ``--set below-cudnn``: the default path on each case that stays below SDPA cuDNN. ``--set wide``: D = 192
+(64-key blocks of the 256-wide tiles) and D = 128 in 64-key blocks.
 The alternatives run only where the Hopper backend accepts the call (sm_90).
 
     ncu --clock-control none --kernel-name regex:attention_forward \
@@ -31,6 +32,9 @@ SETS = {  # (B, H, S, D, causal, HopperSchedule to launch beside the default pat
     # the default path on every seeds/std case that stays below SDPA cuDNN in repeated runs
     "below-cudnn": [(8, 16, 1024, 64, False, None), (16, 16, 2048, 64, False, None), (4, 32, 4096, 64, False, None),
                     (16, 32, 1024, 64, True, None), (4, 32, 4096, 64, True, None), (16, 16, 1024, 128, True, None)],
+    # head dims 136-192 on the 256-wide tiles, with D = 128 in 64-key blocks beside them
+    "wide": [(4, 16, 4096, 192, False, None), (4, 16, 4096, 192, True, None),
+             (4, 16, 4096, 128, False, HopperSchedule(block_n=64))],
 }
 
 

@@ -355,15 +355,18 @@ def test_second_q_buffer_per_consumer(hopper_builds, head_dim):
 
 
 @pytest.mark.parametrize("variant", [variant for variant in VARIANTS if variant[0] == 256], ids=str)
-def test_head_dim_256_stages_its_output_in_the_q_buffer(hopper_builds, variant):
+def test_head_dim_256_stages_its_output_by_halves(hopper_builds, variant):
     """At D = 256 a CTA holds each consumer's Q tile and a two-stage K/V ring of 64-key blocks (192
-    KiB): no room for output tiles of their own, so the output goes through the Q buffers. The
-    unmasked key loop keeps everything in registers."""
+    KiB): room for staging tiles of half the output's columns, not whole ones, so each consumer's
+    output leaves in two bulk stores (and its Q buffer is free as soon as its last Q·Kᵀ is done).
+    The unmasked key loop keeps everything in registers."""
     build = hopper_builds[",".join(map(str, variant))]
     assert "error" not in build, build.get("error")
-    q_tiles, ring = 2 * 64 * 256 * 2, 2 * 2 * 64 * 256 * 2
-    assert q_tiles + ring <= build["shared"] < q_tiles + ring + 1024
-    assert HopperSchedule(block_n=64).output_in_q(256) and not HopperSchedule(block_n=64, q_buffers=2).output_in_q(128)
+    q_tiles, ring, halves = 2 * 64 * 256 * 2, 2 * 2 * 64 * 256 * 2, 2 * 64 * 128 * 2
+    assert q_tiles + ring + halves <= build["shared"] < q_tiles + ring + halves + 1024
+    assert build["counts"]["UTMASTG"] == 4  # two stores in each consumer's copy of the epilogue
+    assert [HopperSchedule(block_n=64).output_columns(256), HopperSchedule(block_n=64, stages=1).output_columns(256),
+            HopperSchedule(block_n=64, consumers=3).output_columns(256), HopperSchedule().output_columns(128)] == [128, 256, 0, 128]
     assert build["unmasked_loop_spills"] == 0
     assert "block_n in (64,)" in HopperSchedule().build_refusal(256)
     assert "shared memory" in HopperSchedule(block_n=64, q_buffers=2).build_refusal(256)

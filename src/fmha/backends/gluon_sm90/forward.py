@@ -885,35 +885,89 @@ def _pipelined_blocks(
 
 
 @gluon.jit
+def _column_halves(out, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
+    """The output's columns [0, HEAD_DIM / 2) and [HEAD_DIM / 2, COLUMNS), each in its accumulator
+    layout (where COLUMNS < HEAD_DIM, the pair already is)."""
+    if COLUMNS == HEAD_DIM:
+        ROWS: gl.constexpr = out.shape[0]
+        HALF: gl.constexpr = HEAD_DIM // 2
+        low, high = out.reshape([ROWS, 2, HALF]).permute((0, 2, 1)).split()
+        layout: gl.constexpr = accumulator_layout(HALF)  # the halves' registers, no data moves
+        halves = (gl.convert_layout(low, layout, assert_trivial=True), gl.convert_layout(high, layout, assert_trivial=True))
+    else:
+        halves = out
+    return halves
+
+
+@gluon.jit
+def _stage_columns(part, staging):
+    """``part`` ([ROWS, n], n <= the staging tile's columns) into the staging tile's first n columns."""
+    if part.shape[1] == staging.shape[1]:
+        staging.store(part)
+    else:
+        staging.slice(0, part.shape[1], dim=1).store(part)
+
+
+@gluon.jit
 def _store_output(out, staging, o_desc, coordinates, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
-    """A tile of the output through shared memory and a bulk tensor store (which leaves out the
-    columns past the call's head dim)."""
+    """A tile of the output through shared memory and bulk tensor stores (which leave out the
+    columns past the call's head dim): at once, or through a staging tile of half the columns
+    (:func:`fmha.backends.gluon_sm90.schedule.HopperSchedule.output_columns`), one half after the other."""
     ROWS: gl.constexpr = o_desc.block_type.shape[2]
+    STAGED: gl.constexpr = o_desc.block_type.shape[3]
     tma.store_wait(0)  # the previous tile's output has left the staging buffer
-    _stage_output(out, staging.reshape([ROWS, HEAD_DIM]), HEAD_DIM, COLUMNS)
-    fence_async_shared()
-    tma_store(o_desc, coordinates, staging)
+    if STAGED == HEAD_DIM:
+        _stage_output(out, staging.reshape([ROWS, HEAD_DIM]), HEAD_DIM, COLUMNS)
+        fence_async_shared()
+        tma_store(o_desc, coordinates, staging)
+    else:
+        low, high = _column_halves(out, HEAD_DIM, COLUMNS)
+        _stage_columns(low, staging.reshape([ROWS, STAGED]))
+        fence_async_shared()
+        tma_store(o_desc, coordinates, staging)
+        tma.store_wait(0)  # the low half has left (the compiler adds the barrier for the other threads)
+        _stage_columns(high, staging.reshape([ROWS, STAGED]))
+        fence_async_shared()
+        # columns past the call's head dim (stale ones among them) are left out
+        tma_store(o_desc, [coordinates[0], coordinates[1], coordinates[2], STAGED], staging)
+
+
+@gluon.jit
+def _rows_from_staging(staging, base, stride_row, row0, num_rows, num_columns, first_column):
+    """Rows row0 + i < num_rows of the [ROWS, n] staging tile, as columns first_column + j under
+    num_columns, with plain stores: each thread's 8 columns leave in one 16-byte store (head dims
+    are multiples of 8, base and stride_row 16-byte multiples: the launchers' attributes)."""
+    ROWS: gl.constexpr = staging.shape[0]
+    STAGED: gl.constexpr = staging.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    cta_barrier()  # every row is in shared memory before any thread reads another's
+    out = staging.load(layout)
+    cta_barrier()  # and read before the buffer is written again
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    columns = first_column + gl.arange(0, STAGED, layout=gl.SliceLayout(0, layout))
+    pointers = base + rows.to(gl.int64)[:, None] * stride_row + columns[None, :]
+    num_columns = num_columns // 8 * 8
+    gl.store(pointers, out, mask=(rows[:, None] < num_rows) & (columns[None, :] < num_columns))
 
 
 @gluon.jit
 def _store_rows(out, staging, base, stride_row, row0, num_rows, num_columns, ROWS: gl.constexpr,
                 HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
     """Rows row0 + i < num_rows, columns under num_columns (the call's head dim, which the tile's
-    may exceed), of a tile, through the staging buffer (no room for another) and plain stores."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    may exceed), of a tile, through the staging buffer (no room for another; whole or by halves,
+    as :func:`_store_output`) and plain stores."""
+    STAGED: gl.constexpr = staging.shape[3]
     tma.store_wait(0)  # the previous tile's output has left the staging buffer
-    staging = staging.reshape([ROWS, HEAD_DIM])
-    _stage_output(out, staging, HEAD_DIM, COLUMNS)
-    cta_barrier()  # every row is in shared memory before any thread reads another's
-    out = staging.load(layout)
-    cta_barrier()  # and read before the next tile writes the buffer again
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    columns = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    pointers = base + rows.to(gl.int64)[:, None] * stride_row + columns[None, :]
-    # Head dims are multiples of 8 (and base and stride_row 16-byte multiples, the launchers' attributes):
-    # each thread's 8 columns leave in one 16-byte store.
-    num_columns = num_columns // 8 * 8
-    gl.store(pointers, out, mask=(rows[:, None] < num_rows) & (columns[None, :] < num_columns))
+    staging = staging.reshape([ROWS, STAGED])
+    if STAGED == HEAD_DIM:
+        _stage_output(out, staging, HEAD_DIM, COLUMNS)
+        _rows_from_staging(staging, base, stride_row, row0, num_rows, num_columns, 0)
+    else:
+        low, high = _column_halves(out, HEAD_DIM, COLUMNS)
+        _stage_columns(low, staging)
+        _rows_from_staging(staging, base, stride_row, row0, num_rows, num_columns, 0)
+        _stage_columns(high, staging)
+        _rows_from_staging(staging, base, stride_row, row0, num_rows, num_columns, STAGED)
 
 
 @gluon.jit
@@ -923,7 +977,7 @@ def _consumer_tile(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, TURN: gl.constexpr, MASK: gl.constexpr, MASK_KEYS: gl.constexpr, PACK_P: gl.constexpr,
-    ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr, COLUMNS: gl.constexpr, words,
+    ROW_SUM_MMA: gl.constexpr, OUTPUT_COLUMNS: gl.constexpr, COLUMNS: gl.constexpr, words,
 ):
     """One tile of a consumer: its 64 rows' output and LSE. ``step``: the program's step, or with
     DYNAMIC the tile itself (and a packed tile's :func:`_sequence_words` from the load warp);
@@ -1022,7 +1076,7 @@ def _consumer_tile(
             acc, row_sum = _output_wait(acc, row_sum, HEAD_DIM, COLUMNS)
             slot_barriers.signal(_v_slot_barrier(last_slot, STAGES), _slot_threads(CONSUMERS))
         row_sum = _row_sums(row_sum, s_rows, ROW_SUM_MMA)
-        if not OUTPUT_IN_Q:
+        if OUTPUT_COLUMNS != 0:
             mbarrier.arrive(q_free.index(q_slot), count=1)  # the load warp may refill this Q buffer
 
         # Rows that saw no key: output 0 and LSE -inf, never 0/0.
@@ -1063,8 +1117,8 @@ def _consumer_tile(
         else:  # the descriptor clips rows past the end
             _store_output(_output_to(out, dtype, HEAD_DIM, COLUMNS), o_smem.index(CONSUMER), o_desc,
                           [batch, head, row0, 0], HEAD_DIM, COLUMNS)
-        if OUTPUT_IN_Q:  # the output has left the Q buffer (the issuing thread waits, the others
-            # wait for it): the load warp may refill it
+        if OUTPUT_COLUMNS == 0:  # the output has left the Q buffer (the issuing thread waits, the
+            # others wait for it): the load warp may refill it
             tma.store_wait(0)
             cta_barrier()
             mbarrier.arrive(q_free.index(q_slot), count=1)
@@ -1081,7 +1135,7 @@ def _consumer_partition(
     STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EMULATED_EXP2: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
-    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr, COLUMNS: gl.constexpr,
+    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_COLUMNS: gl.constexpr, COLUMNS: gl.constexpr,
 ):
     num_tiles, seqlen_k, score_args = shared[10], shared[15], shared[19]
     TURN: gl.constexpr = CONSUMER if PINGPONG else -1
@@ -1100,7 +1154,7 @@ def _consumer_partition(
                 ring_position, tile_count = _consumer_tile(
                     tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
                     STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
-                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS, words)
+                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_COLUMNS, COLUMNS, words)
                 handed += 1
                 tile, words = take_tile(tile_slots, handed)
         else:
@@ -1109,7 +1163,7 @@ def _consumer_partition(
                 ring_position, tile_count = _consumer_tile(
                     tile, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N,
                     STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN,
-                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS, ())
+                    MASK, MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_COLUMNS, COLUMNS, ())
                 handed += 1
                 tile = take_tile(tile_slots, handed)
     else:
@@ -1117,7 +1171,7 @@ def _consumer_partition(
             ring_position, tile_count = _consumer_tile(
                 step, ring_position, tile_count, shared, tile_args, CONSUMER, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES,
                 HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN, SOFTCAP, ALIBI, SINKS, DROPOUT, DYNAMIC, TURN, MASK,
-                MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS, ())
+                MASK_KEYS, PACK_P, ROW_SUM_MMA, OUTPUT_COLUMNS, COLUMNS, ())
     if TURN == 0:  # take consumer 1's last turn: no named barrier is left half-arrived
         _take_turn(TURN)
     tma.store_wait(0)
@@ -1134,7 +1188,7 @@ def attention_forward_hopper_kernel(
     CONSUMERS: gl.constexpr, EMULATED_EXP2: gl.constexpr, Q_BUFFERS: gl.constexpr, CTAS_PER_SM: gl.constexpr,
     VARLEN: gl.constexpr, SOFTCAP: gl.constexpr, ALIBI: gl.constexpr, SINKS: gl.constexpr, DROPOUT: gl.constexpr,
     DYNAMIC: gl.constexpr, PINGPONG: gl.constexpr, PACK_P: gl.constexpr, MASK: gl.constexpr,
-    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_IN_Q: gl.constexpr, COLUMNS: gl.constexpr,
+    MASK_KEYS: gl.constexpr, ROW_SUM_MMA: gl.constexpr, OUTPUT_COLUMNS: gl.constexpr, COLUMNS: gl.constexpr,
 ):
     """Programs walk tiles t = program, program + num_programs, ...; with DYNAMIC they take them
     from the int32 counter at TileCounter (zero at launch, and zero again at the end) instead, one at a time, longest first; descriptors are (B, H, S, D)
@@ -1155,15 +1209,16 @@ def attention_forward_hopper_kernel(
     in elements; BOOL_MASK: int8, 0 hides the key; FLOAT_MASK: added to the scores; MASK_KEYS: how
     its keys lie, :data:`fmha.backends.gluon_sm90.scores.PAIRED_MASK_KEYS` and the others). ROW_SUM_MMA:
     the row sums from the tensor cores (:func:`_summed_rows`; with DROPOUT of P before the keep masks).
-    OUTPUT_IN_Q (one Q buffer): each consumer stages its output in its Q buffer, released to the
-    load warp once the output has left (D = 256, where a staging tile of its own does not fit).
+    OUTPUT_COLUMNS: the columns of each consumer's output staging tile: HEAD_DIM, HEAD_DIM / 2 (the
+    output leaves by halves: D = 256's tiles, where a whole staging tile does not fit beside the Q
+    buffer), or 0: the output is staged in the Q buffer, released to the load warp once it has left.
     COLUMNS: the columns of Q, K and V the products read and of the output they write (HEAD_DIM, or
     192 for head dims up to 192 on the 256-wide tiles)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
-    ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype, OUTPUT_IN_Q)
+    ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype, OUTPUT_COLUMNS != HEAD_DIM)
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
-    if OUTPUT_IN_Q:
+    if OUTPUT_COLUMNS == 0:
         gl.static_assert(Q_BUFFERS == 1)
         o_smem = q_smem
     else:
@@ -1210,30 +1265,30 @@ def attention_forward_hopper_kernel(
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
+                                    ROW_SUM_MMA, OUTPUT_COLUMNS, COLUMNS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))
     elif CONSUMERS == 2:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
+                                    ROW_SUM_MMA, OUTPUT_COLUMNS, COLUMNS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
+                                    ROW_SUM_MMA, OUTPUT_COLUMNS, COLUMNS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, 1], worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))
     else:
         gl.warp_specialize(
             [(_consumer_partition, (shared, tile_slots, 0, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
+                                    ROW_SUM_MMA, OUTPUT_COLUMNS, COLUMNS)),
              (_consumer_partition, (shared, tile_slots, 1, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
+                                    ROW_SUM_MMA, OUTPUT_COLUMNS, COLUMNS)),
              (_consumer_partition, (shared, tile_slots, 2, CONSUMERS, HEAD_DIM, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, EMULATED_EXP2, VARLEN,
                                     SOFTCAP, ALIBI_FORM, SINKS, DROPOUT, DYNAMIC, PINGPONG, PACK_P, MASK, MASK_KEYS,
-                                    ROW_SUM_MMA, OUTPUT_IN_Q, COLUMNS)),
+                                    ROW_SUM_MMA, OUTPUT_COLUMNS, COLUMNS)),
              (_load_partition, (load_args, tile_slots, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, CONSUMERS, VARLEN, DYNAMIC))],
             worker_num_warps=[CONSUMER_WARPS, CONSUMER_WARPS, 1],
             worker_num_regs=_worker_registers(CONSUMERS, CTAS_PER_SM, ROW_SUM_MMA))

@@ -173,8 +173,10 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
     """
     element = "bf16" if dtype == torch.bfloat16 else "fp16"
 
-    def descriptor_type(rows: int) -> str:
-        return f"tensordesc<{element}[1,1,{rows},{head_dim}],{_shared_layout(rows, head_dim, dtype)!r}>"
+    def descriptor_type(rows: int, columns: int = head_dim) -> str:
+        return f"tensordesc<{element}[1,1,{rows},{columns}],{_shared_layout(rows, columns, dtype)!r}>"
+
+    output_columns = schedule.output_columns(head_dim)
 
     constants = {"HEAD_DIM": head_dim, "BLOCK_N": schedule.block_n, "STAGES": schedule.stages,
                  "HAS_LEFT": has_left, "HAS_RIGHT": causal,
@@ -185,10 +187,10 @@ def hopper_forward_source(dtype: torch.dtype, head_dim: int, causal: bool, sched
                  "PINGPONG": takes_turns(schedule, features), "PACK_P": schedule.pack_p,
                  "MASK": features.mask_constexpr,
                  "MASK_KEYS": features.mask_keys,
-                 "ROW_SUM_MMA": schedule.row_sum_mma, "OUTPUT_IN_Q": schedule.output_in_q(head_dim),
+                 "ROW_SUM_MMA": schedule.row_sum_mma, "OUTPUT_COLUMNS": output_columns,
                  "COLUMNS": head_dim if columns is None else columns}
     signature = {"q_desc": descriptor_type(CONSUMER_ROWS), "k_desc": descriptor_type(schedule.block_n),
-                 "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS),
+                 "v_desc": descriptor_type(schedule.block_n), "o_desc": descriptor_type(CONSUMER_ROWS, output_columns or head_dim),
                  "Lse": "*fp32", "Out": f"*{element}", "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", "Tiles": "*i32",
                  "AlibiSlopes": "*fp32", "Sinks": "*fp32", "RngState": "*i64", "TileCounter": "*i32",
                  "Mask": _MASK_POINTER_TYPES[features.mask], **dict.fromkeys(_STRIDE_ARGS, "i32"),

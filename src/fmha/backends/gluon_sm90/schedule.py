@@ -145,18 +145,22 @@ class HopperSchedule:
 
     def shared_bytes(self, head_dim: int) -> int:
         """Shared memory of a CTA (16-bit elements): each consumer's Q buffers and output staging
-        tile (none where the output goes through the Q buffer), the K and V ring, and the barriers."""
-        return self._tile_bytes(head_dim, staging_tiles=0 if self.output_in_q(head_dim) else 1)
+        tile (:meth:`output_columns`), the K and V ring, and the barriers."""
+        return self._tile_bytes(head_dim, self.output_columns(head_dim))
 
-    def output_in_q(self, head_dim: int) -> bool:
-        """Whether each consumer stages its output in its Q buffer, which its tile no longer reads
-        once the last Q·Kᵀ is done: with one Q buffer, where a tile of its own would not fit (D = 256).
-        The next tile's Q then loads after the output has left."""
-        return self.q_buffers == 1 and self._tile_bytes(head_dim, staging_tiles=1) > SHARED_MEMORY_PER_CTA
+    def output_columns(self, head_dim: int) -> int:
+        """The columns of each consumer's output staging tile: the head dim; half of it where a whole
+        tile would not fit (D = 256's: the output then leaves by halves); or 0, where neither fits:
+        the output is staged in the consumer's Q buffer, which its tile no longer reads once the last
+        Q·Kᵀ is done (one Q buffer; the next tile's Q then loads after the output has left)."""
+        for columns in (head_dim, head_dim // 2):
+            if self._tile_bytes(head_dim, columns) <= SHARED_MEMORY_PER_CTA:
+                return columns
+        return 0 if self.q_buffers == 1 else head_dim
 
-    def _tile_bytes(self, head_dim: int, staging_tiles: int) -> int:
-        rows = CONSUMER_ROWS * self.consumers * (self.q_buffers + staging_tiles) + 2 * self.stages * self.block_n
-        return 2 * head_dim * rows + BARRIER_BYTES
+    def _tile_bytes(self, head_dim: int, staging_columns: int) -> int:
+        rows = CONSUMER_ROWS * self.consumers * self.q_buffers + 2 * self.stages * self.block_n
+        return 2 * (head_dim * rows + CONSUMER_ROWS * self.consumers * staging_columns) + BARRIER_BYTES
 
     def build_refusal(self, head_dim: int) -> str | None:
         """Why this schedule cannot be built for ``head_dim`` (None: it can): its consumers' share
