@@ -18,7 +18,8 @@ from fmha import HopperSchedule
 from fmha.backends.gluon_sm90 import backend as hopper_backend
 from fmha.backends.gluon_sm90 import launch
 from fmha.backends.gluon_sm90 import schedule as schedule_module
-from fmha.backends.gluon_sm90.schedule import MAX_STAGES_WITH_TURNS, PINGPONG_OFF, PINGPONG_ON, product_columns
+from fmha.backends.gluon_sm90.schedule import (MAX_STAGES_WITH_TURNS, PINGPONG_OFF, PINGPONG_ON, SHARED_MEMORY_PER_CTA,
+                                              product_columns)
 from fmha.backends.gluon_sm90.scores import ALIBI_ANY, ALIBI_CAUSAL
 from fmha.params import attention_params
 from fmha.tuning import schedules
@@ -365,9 +366,25 @@ def test_head_dim_256_stages_its_output_by_halves(hopper_builds, variant):
     q_tiles, ring, halves = 2 * 64 * 256 * 2, 2 * 2 * 64 * 256 * 2, 2 * 64 * 128 * 2
     assert q_tiles + ring + halves <= build["shared"] < q_tiles + ring + halves + 1024
     assert build["counts"]["UTMASTG"] == 4  # two stores in each consumer's copy of the epilogue
-    assert [HopperSchedule(block_n=64).output_columns(256), HopperSchedule(block_n=64, stages=1).output_columns(256),
-            HopperSchedule(block_n=64, consumers=3).output_columns(256), HopperSchedule().output_columns(128)] == [128, 256, 0, 128]
     assert build["unmasked_loop_spills"] == 0
+
+
+@pytest.mark.parametrize("schedule, head_dim, columns", [
+    (HopperSchedule(), 128, 128), (HopperSchedule(block_n=64, q_buffers=2), 128, 128),
+    (HopperSchedule(block_n=64), 256, 128), (HopperSchedule(block_n=64, stages=1), 256, 256),
+    (HopperSchedule(block_n=64, consumers=1), 256, 256), (HopperSchedule(block_n=64, consumers=3), 256, 0)])
+def test_output_staging_tile_is_as_wide_as_shared_memory_allows(schedule, head_dim, columns):
+    """Each consumer's output staging tile: the whole head dim where it fits, half of it where only
+    that fits, else none (the output goes through the Q buffer); the CTA's bytes count it."""
+    assert schedule.output_columns(head_dim) == columns
+    assert schedule.build_refusal(head_dim) is None
+    assert schedule.shared_bytes(head_dim) <= SHARED_MEMORY_PER_CTA
+    if columns == head_dim // 2:  # a whole tile would not fit
+        whole = schedule.shared_bytes(head_dim) + 2 * 64 * schedule.consumers * (head_dim - columns)
+        assert whole > SHARED_MEMORY_PER_CTA
+
+
+def test_head_dim_256_refuses_128_key_blocks_and_a_second_q_buffer():
     assert "block_n in (64,)" in HopperSchedule().build_refusal(256)
     assert "shared memory" in HopperSchedule(block_n=64, q_buffers=2).build_refusal(256)
 
