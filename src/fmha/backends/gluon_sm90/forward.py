@@ -895,6 +895,7 @@ def _column_halves(out, HEAD_DIM: gl.constexpr, COLUMNS: gl.constexpr):
         layout: gl.constexpr = accumulator_layout(HALF)  # the halves' registers, no data moves
         halves = (gl.convert_layout(low, layout, assert_trivial=True), gl.convert_layout(high, layout, assert_trivial=True))
     else:
+        gl.static_assert(SPLIT_COLUMNS == HEAD_DIM // 2)  # the pair splits where the halves do
         halves = out
     return halves
 
