@@ -85,14 +85,21 @@ def test_hopper_kernels_with_score_features_gpu(name, head_dim, seqlen_q, seqlen
     check_features(q, k, v, name, causal, config=fmha.HopperSchedule())
 
 
+# The shipped D = 136-256 schedule: 64-key blocks, P packed, the output leaving by halves through a
+# 128-column staging tile (which also holds causal ALiBi's key-term operands in bf16).
+HEAD_DIM_256_SCHEDULE = dict(block_n=64, pack_p=True)
+
 # The shipped causal-ALiBi schedules (fmha/tuning/defaults/schedules.json): P crosses the key loop packed.
-PACKED_P_SCHEDULES = {64: dict(q_buffers=2, emulated_exp2=8, pack_p=True), 128: dict(q_buffers=2, pack_p=True)}
+PACKED_P_SCHEDULES = {64: dict(q_buffers=2, emulated_exp2=8, pack_p=True), 128: dict(q_buffers=2, pack_p=True),
+                      192: HEAD_DIM_256_SCHEDULE, 256: HEAD_DIM_256_SCHEDULE}
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(700, 900), (1500, 1500)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("name", ["alibi", "all"])
 def test_hopper_packed_p_schedules_with_causal_alibi_gpu(name, head_dim, seqlen_q, seqlen_k):
+    """Causal ALiBi (its key term on the tensor cores where no softcap comes first, ``alibi``) and
+    with every other feature (``all``)."""
     skip_off_hopper()
     q, k, v = inputs(seqlen_q, seqlen_k, head_dim, hash((name, head_dim, seqlen_k, "packed")) % 2**31, grad=True)
     check_features(q, k, v, name, True, config=fmha.HopperSchedule(**PACKED_P_SCHEDULES[head_dim]))
@@ -254,6 +261,34 @@ def test_hopper_varlen_forward_drops_the_portable_pattern_gpu(head_dim):
         assert_close_to_reference(out_b, q_b, k_b, v_b, window=window, lse=lse[:, rows][None], atol=1e-5, **dropout)
         grads_b = [g[s].transpose(0, 1)[None] for g, s in ((dq, rows), (dk, keys), (dv, keys))]
         assert_grads_close(grads_b, q_b, k_b, v_b, dout_b, window=window, **dropout)
+
+
+@pytest.mark.parametrize("head_dim", [160, 256])
+def test_hopper_varlen_forward_with_causal_alibi_on_the_wide_tiles_gpu(head_dim):
+    """Packed sequences with causal ALiBi at D 136-256: the key-term operands share the staging tile
+    with the output's halves, and the sequences' last rows leave through it by plain stores."""
+    skip_off_hopper()
+    from fmha import dispatch
+    from fmha.masking import Window
+    from fmha.params import varlen_params
+
+    lengths_q, lengths_k = [77, 1000, 300, 1], [300, 1000, 333, 5]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for lengths in (lengths_q, lengths_k))
+    generator = torch.Generator(device="cuda").manual_seed(head_dim)
+    q = torch.randn(sum(lengths_q), Q_HEADS, head_dim, device="cuda", generator=generator, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lengths_k), KV_HEADS, head_dim, device="cuda", generator=generator, dtype=torch.bfloat16)
+            for _ in range(2))
+    slopes = feature_kwargs("alibi")["alibi_slopes"]
+    lengths = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    params = varlen_params("test", q, k, v, *lengths, causal=True, alibi_slopes=slopes)
+    assert dispatch.prepared_forward(params, q, k, v, cu_q, cu_k).explanation.backend == "gluon_sm90"
+    out, lse = fmha.varlen_attention(q, k, v, *lengths, causal=True, alibi_slopes=slopes, return_lse=True)
+    for b in range(len(lengths_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        q_b, k_b, v_b, out_b = (t[s].transpose(0, 1)[None] for t, s in ((q, rows), (k, keys), (v, keys), (out, rows)))
+        assert_close_to_reference(out_b, q_b, k_b, v_b, window=Window.causal(lengths_k[b] - lengths_q[b]),
+                                  lse=lse[:, rows][None], atol=1e-5, alibi_slopes=slopes)
 
 
 def test_dropout_is_reproducible_and_fresh_under_cuda_graphs_gpu():
@@ -430,10 +465,6 @@ def test_hopper_softcap_with_saturated_rows_gpu(head_dim, softcap, causal):
         out, lse = fmha.attention(q, k, v, return_lse=True, **kwargs)
         offset = dict(causal_offset=700 - 512) if causal else {}
         assert_close_to_reference(out, q, k, v, lse=lse, atol=1e-5, softcap=softcap, **offset, **extra)
-
-
-# The shipped D = 256 schedule: 64-key blocks, P packed, the output staged in the (one) Q buffer.
-HEAD_DIM_256_SCHEDULE = dict(block_n=64, pack_p=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])

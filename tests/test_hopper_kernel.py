@@ -148,7 +148,7 @@ VARIANTS = [(64, False, 2, 128, 2, 8, 2, 1), (64, True, 2, 128, 2, 8, 2, 1), (64
             (128, True, 2, 128, 2, 0, 2, 1, "dropout", "pack_p"),
             (256, False, 2, 64, 2, 0, 1, 1, "pack_p"), (256, False, 2, 64, 2, 0, 1, 1, "pack_p", "dropout"),
             (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "softcap_bounded", "left", "varlen", "dynamic"),
-            (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "alibi_causal", "sinks"),
+            (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "alibi_causal", "sinks"), (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "sinks"),
             (256, False, 2, 64, 2, 0, 1, 1, "pack_p", "columns_192"),
             (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "columns_192"),
             (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "dropout", "columns_192"),
@@ -367,6 +367,16 @@ def test_head_dim_256_stages_its_output_by_halves(hopper_builds, variant):
     assert q_tiles + ring + halves <= build["shared"] < q_tiles + ring + halves + 1024
     assert build["counts"]["UTMASTG"] == 4  # two stores in each consumer's copy of the epilogue
     assert build["unmasked_loop_spills"] == 0
+
+
+@pytest.mark.parametrize("with_alibi, without", [
+    ((128, True, 2, 128, 2, 0, 2, 1, "alibi_causal"), (128, True, 2, 128, 2, 0, 2, 1)),
+    ((256, True, 2, 64, 2, 0, 1, 1, "pack_p", "alibi_causal", "sinks"), (256, True, 2, 64, 2, 0, 1, 1, "pack_p", "sinks"))])
+def test_causal_alibi_adds_its_key_term_on_the_tensor_cores(hopper_builds, with_alibi, without):
+    """bf16 causal ALiBi without softcap adds its key term by one more k-step of Q·Kᵀ whose operands
+    sit in the output staging tile: at D = 128 a whole one, at D = 256 the half tile."""
+    counts = [hopper_builds[",".join(map(str, variant))]["counts"]["HGMMA"] for variant in (with_alibi, without)]
+    assert counts[0] > counts[1]
 
 
 @pytest.mark.parametrize("schedule, head_dim, columns", [

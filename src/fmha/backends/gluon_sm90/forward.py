@@ -1217,7 +1217,7 @@ def attention_forward_hopper_kernel(
     192 for head dims up to 192 on the 256-wide tiles)."""
     num_m_blocks = gl.cdiv(seqlen_q, CONSUMERS * q_desc.block_type.shape[2])
     dtype: gl.constexpr = q_desc.dtype
-    ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype, OUTPUT_COLUMNS != HEAD_DIM)
+    ALIBI_FORM: gl.constexpr = alibi_form(ALIBI, SOFTCAP, dtype, OUTPUT_COLUMNS == 0)
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
     if OUTPUT_COLUMNS == 0:
         gl.static_assert(Q_BUFFERS == 1)
