@@ -340,6 +340,8 @@ def worker(seed: int, seconds: float) -> None:
             print(json.dumps(case), file=sys.stderr)
             traceback.print_exc(file=sys.stderr)
         print(json.dumps(dict(status=status, seconds=round(time.time() - started, 2), **case)), flush=True)
+        if "CUDA error" in status:  # the process's CUDA context is lost: every later call would fail too
+            return
         torch.cuda.empty_cache()
 
 

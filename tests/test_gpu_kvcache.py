@@ -52,6 +52,19 @@ def test_rotary_leftpad_and_batch_index_gpu(dtype, interleaved, causal):
     check(case, causal=causal, rotary_interleaved=interleaved)
 
 
+@pytest.mark.parametrize("page_size", [None, 16], ids=lambda size: "contiguous" if size is None else f"page{size}")
+@pytest.mark.parametrize("seqlen_q", [2, 7, 16])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_over_the_whole_head_dim_32_gpu(interleaved, seqlen_q, page_size):
+    """Full-width rotary at D = 32 on tiles of 16, 64 and 128 packed query rows (8 query heads per
+    KV head). Interleaved pairs read from a second load of the partner columns made triton 3.6
+    build the 64- and 128-row tiles with shared-memory reads out of bounds (an illegal address,
+    or a wrong output); they are now split in registers."""
+    case = random_kvcache(1, seqlen_q, 64, 8, 32, 100, new_keys=seqlen_q, dtype=torch.float16, device="cuda",
+                          page_size=page_size, rotary_dim=32, seed=seed_of(interleaved, seqlen_q, page_size))
+    check(case, causal=True, rotary_interleaved=interleaved)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("page_size", [None, 16], ids=lambda size: "contiguous" if size is None else f"page{size}")
 @pytest.mark.parametrize("num_splits", [0, 1], ids=["heuristic-splits", "one-split"])

@@ -173,9 +173,12 @@ def test_rotary(page_size, interleaved, causal):
     check(case, causal=causal, rotary_interleaved=interleaved, num_splits=2)
 
 
-def test_rotary_of_the_whole_head_in_float32():
-    case = kvcache_case(head_dim=32, rotary_dim=32, dtype=torch.float32, new_keys=2, seqlen_q=2)
-    check(case, causal=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_of_the_whole_head(interleaved, dtype):
+    """Every column rotated: the pairs (neighbours, or the tile's two halves) split in registers."""
+    case = kvcache_case(head_dim=32, rotary_dim=32, dtype=dtype, new_keys=2, seqlen_q=2)
+    check(case, causal=True, rotary_interleaved=interleaved)
 
 
 def test_cache_batch_idx():

@@ -56,24 +56,44 @@ def _rotate(x, row_ptrs, stride_d, offs_d, positions, mask, Cos, Sin,
             stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
             ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
     """``x`` [rows, BLOCK_D], loaded from ``row_ptrs`` [rows], rotated at ``positions`` [rows] (float32)."""
+    ROWS: tl.constexpr = x.shape[0]
+    BLOCK_D: tl.constexpr = x.shape[1]
     half: tl.constexpr = ROTARY_DIM // 2
-    if INTERLEAVED:
-        partner = offs_d ^ 1
-        angle = offs_d // 2
-        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
-    else:
+    in_table = (positions >= 0) & (positions < rotary_rows)
+    if INTERLEAVED or ROTARY_DIM == BLOCK_D:
+        # Each pair in registers (neighbours, or the two halves of a fully rotated tile): one load of
+        # x, one cos and sin load per pair. (A second load of x at the partner columns made
+        # triton 3.6 build interleaved head dim 32 tiles of 64 and 128 rows that read shared
+        # memory out of bounds.)
+        if INTERLEAVED:
+            first, second = x.to(tl.float32).reshape([ROWS, BLOCK_D // 2, 2]).split()
+            row_mask, _ = mask.reshape([ROWS, BLOCK_D // 2, 2]).split()
+        else:
+            first, second = x.to(tl.float32).reshape([ROWS, 2, BLOCK_D // 2]).permute(0, 2, 1).split()
+            row_mask, _ = mask.reshape([ROWS, 2, BLOCK_D // 2]).permute(0, 2, 1).split()
+        angle = tl.arange(0, BLOCK_D // 2)
+        rotated = row_mask & (angle[None, :] < half) & in_table[:, None]
+        cos = tl.load(Cos + positions[:, None] * stride_cos_row + angle[None, :] * stride_cos_d,
+                      mask=rotated, other=1.0).to(tl.float32)
+        sin = tl.load(Sin + positions[:, None] * stride_sin_row + angle[None, :] * stride_sin_d,
+                      mask=rotated, other=0.0).to(tl.float32)
+        pairs = tl.join(first * cos - second * sin, second * cos + first * sin)
+        if INTERLEAVED:
+            return pairs.reshape([ROWS, BLOCK_D])
+        else:
+            return pairs.permute(0, 2, 1).reshape([ROWS, BLOCK_D])
+    else:  # the first ROTARY_DIM columns of a wider tile, pairs (i, i + ROTARY_DIM / 2)
         first_half = offs_d < half
         partner = tl.where(first_half, offs_d + half, offs_d - half)
         angle = tl.where(first_half, offs_d, offs_d - half)
         sign = tl.where(first_half, -1.0, 1.0)
-    in_table = (positions >= 0) & (positions < rotary_rows)
-    rotated = mask & (offs_d[None, :] < ROTARY_DIM) & in_table[:, None]
-    other = tl.load(row_ptrs[:, None] + partner[None, :] * stride_d, mask=rotated, other=0.0).to(tl.float32)
-    cos = tl.load(Cos + positions[:, None] * stride_cos_row + angle[None, :] * stride_cos_d,
-                  mask=rotated, other=1.0).to(tl.float32)
-    sin = tl.load(Sin + positions[:, None] * stride_sin_row + angle[None, :] * stride_sin_d,
-                  mask=rotated, other=0.0).to(tl.float32)
-    return x.to(tl.float32) * cos + sign[None, :] * other * sin
+        rotated = mask & (offs_d[None, :] < ROTARY_DIM) & in_table[:, None]
+        other = tl.load(row_ptrs[:, None] + partner[None, :] * stride_d, mask=rotated, other=0.0).to(tl.float32)
+        cos = tl.load(Cos + positions[:, None] * stride_cos_row + angle[None, :] * stride_cos_d,
+                      mask=rotated, other=1.0).to(tl.float32)
+        sin = tl.load(Sin + positions[:, None] * stride_sin_row + angle[None, :] * stride_sin_d,
+                      mask=rotated, other=0.0).to(tl.float32)
+        return x.to(tl.float32) * cos + sign[None, :] * other * sin
 
 
 @triton.jit
