@@ -7,6 +7,7 @@ output, the LSE, the gradients, and for ``deterministic=True`` bitwise-equal gra
 run. Several worker processes share the GPU so that kernel builds overlap.
 
     PYTHONPATH=src python benchmarks/random_calls.py --seconds 300 --workers 8 --log $OUT/random_calls.log
+    PYTHONPATH=src python benchmarks/random_calls.py --kinds kvcache,paged_varlen ...  # some kinds only
 
 Each failure is printed with the arguments that reproduce it (``--replay`` takes its JSON). A
 failure against "torch's 0" is a call whose rows each see one key, where torch's same-dtype answer
@@ -324,9 +325,9 @@ def run_case(case):
     FAMILIES[case["kind"]][1](case)
 
 
-def worker(seed: int, seconds: float) -> None:
+def worker(seed: int, seconds: float, kinds=None) -> None:
     rng = random.Random(seed)
-    names = [name for name, (_, _, weight) in FAMILIES.items() for _ in range(weight)]
+    names = [name for name, (_, _, weight) in FAMILIES.items() for _ in range(weight) if not kinds or name in kinds]
     deadline = time.time() + seconds
     while time.time() < deadline:
         case = FAMILIES[rng.choice(names)][0](rng)
@@ -353,6 +354,7 @@ def main():
     parser.add_argument("--log", default="random_calls.log")
     parser.add_argument("--head-dims", help="comma-separated head dims to draw from (default: %s)"
                         % ",".join(map(str, sorted(set(HEAD_DIMS)))))
+    parser.add_argument("--kinds", help="comma-separated call kinds to draw (default: all of %s)" % ",".join(FAMILIES))
     parser.add_argument("--worker-seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--replay", help="a failure's JSON line: run that case alone")
     args = parser.parse_args()
@@ -362,14 +364,18 @@ def main():
         run_case(json.loads(args.replay))
         print("ok")
         return
+    kinds = args.kinds.split(",") if args.kinds else None
+    if kinds and not set(kinds) <= set(FAMILIES):
+        parser.error(f"--kinds: unknown kinds {sorted(set(kinds) - set(FAMILIES))}")
     if args.worker_seed is not None:
-        worker(args.worker_seed, args.seconds)
+        worker(args.worker_seed, args.seconds, kinds)
         return
     started = time.time()
     with open(args.log, "w") as log, open(args.log + ".err", "w") as errors:
         processes = [subprocess.Popen([sys.executable, __file__, "--worker-seed", str(args.seed * 1000 + i),
                                        "--seconds", str(args.seconds),
-                                       *(["--head-dims", args.head_dims] if args.head_dims else [])],
+                                       *(["--head-dims", args.head_dims] if args.head_dims else []),
+                                       *(["--kinds", args.kinds] if args.kinds else [])],
                                       stdout=log, stderr=errors)
                      for i in range(args.workers)]
         for process in processes:
