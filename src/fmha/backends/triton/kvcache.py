@@ -52,6 +52,15 @@ APPEND_ROWS: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit
+def _angles(Cos, Sin, positions, angle, rotated, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d):
+    """``(cos, sin)`` float32 of the tables' rows ``positions`` and columns ``angle``; (1, 0) where
+    not ``rotated``, so that those features pass through."""
+    cos = tl.load(Cos + positions[:, None] * stride_cos_row + angle[None, :] * stride_cos_d, mask=rotated, other=1.0)
+    sin = tl.load(Sin + positions[:, None] * stride_sin_row + angle[None, :] * stride_sin_d, mask=rotated, other=0.0)
+    return cos.to(tl.float32), sin.to(tl.float32)
+
+
+@triton.jit
 def _rotate(x, row_ptrs, stride_d, offs_d, positions, mask, Cos, Sin,
             stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
             ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
@@ -61,10 +70,9 @@ def _rotate(x, row_ptrs, stride_d, offs_d, positions, mask, Cos, Sin,
     half: tl.constexpr = ROTARY_DIM // 2
     in_table = (positions >= 0) & (positions < rotary_rows)
     if INTERLEAVED or ROTARY_DIM == BLOCK_D:
-        # Each pair in registers (neighbours, or the two halves of a fully rotated tile): one load of
-        # x, one cos and sin load per pair. (A second load of x at the partner columns made
-        # triton 3.6 build interleaved head dim 32 tiles of 64 and 128 rows that read shared
-        # memory out of bounds.)
+        # Each pair split in registers (neighbours, or the two halves of a fully rotated tile), not
+        # loaded again at the partner columns: that load made triton 3.6 build D = 32 tiles that
+        # read shared memory out of bounds (docs/perf.md, session 45).
         if INTERLEAVED:
             first, second = x.to(tl.float32).reshape([ROWS, BLOCK_D // 2, 2]).split()
             row_mask, _ = mask.reshape([ROWS, BLOCK_D // 2, 2]).split()
@@ -73,10 +81,8 @@ def _rotate(x, row_ptrs, stride_d, offs_d, positions, mask, Cos, Sin,
             row_mask, _ = mask.reshape([ROWS, 2, BLOCK_D // 2]).permute(0, 2, 1).split()
         angle = tl.arange(0, BLOCK_D // 2)
         rotated = row_mask & (angle[None, :] < half) & in_table[:, None]
-        cos = tl.load(Cos + positions[:, None] * stride_cos_row + angle[None, :] * stride_cos_d,
-                      mask=rotated, other=1.0).to(tl.float32)
-        sin = tl.load(Sin + positions[:, None] * stride_sin_row + angle[None, :] * stride_sin_d,
-                      mask=rotated, other=0.0).to(tl.float32)
+        cos, sin = _angles(Cos, Sin, positions, angle, rotated, stride_cos_row, stride_cos_d, stride_sin_row,
+                           stride_sin_d)
         pairs = tl.join(first * cos - second * sin, second * cos + first * sin)
         if INTERLEAVED:
             return pairs.reshape([ROWS, BLOCK_D])
@@ -89,10 +95,8 @@ def _rotate(x, row_ptrs, stride_d, offs_d, positions, mask, Cos, Sin,
         sign = tl.where(first_half, -1.0, 1.0)
         rotated = mask & (offs_d[None, :] < ROTARY_DIM) & in_table[:, None]
         other = tl.load(row_ptrs[:, None] + partner[None, :] * stride_d, mask=rotated, other=0.0).to(tl.float32)
-        cos = tl.load(Cos + positions[:, None] * stride_cos_row + angle[None, :] * stride_cos_d,
-                      mask=rotated, other=1.0).to(tl.float32)
-        sin = tl.load(Sin + positions[:, None] * stride_sin_row + angle[None, :] * stride_sin_d,
-                      mask=rotated, other=0.0).to(tl.float32)
+        cos, sin = _angles(Cos, Sin, positions, angle, rotated, stride_cos_row, stride_cos_d, stride_sin_row,
+                           stride_sin_d)
         return x.to(tl.float32) * cos + sign[None, :] * other * sin
 
 
