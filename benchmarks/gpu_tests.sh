@@ -33,7 +33,7 @@ wait
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   for log in "$work"/shard.*.log; do
-    if grep -qE '(passed|failed|error|errors|skipped|deselected|no tests ran) in [0-9.]+s' "$log"; then
+    if grep -qE '(passed|failed|error|errors|skipped|deselected|warnings?|no tests ran) in [0-9.]+s' "$log"; then
       grep -E '^(FAILED|ERROR|E )|^/.*:[0-9]+: |passed|failed|error|skipped' "$log"
     else  # cut off by LIMIT, or the process died: count the outcomes in pytest's progress lines
       progress=$(grep -E '^[.sxXFE]+ *(\[ *[0-9]+%\])?$' "$log" | tr -cd '.sxXFE')

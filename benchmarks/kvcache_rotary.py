@@ -1,12 +1,13 @@
 """Rotary embeddings in ``flash_attn_with_kvcache`` (GPU).
 
-``--matrix``: calls around head dim 32 with the whole head rotated (rotary dims, interleaved or
-halves, 1-16 queries over 8 query heads per KV head, so tiles of 16-128 packed rows; paged or
+``--matrix``: calls around head dim 32 with the whole head rotated, and partial rotary dims
+(interleaved or halves, 1-16 queries over 8 query heads per KV head, so tiles of 16-128 packed rows; paged or
 contiguous), each in its own process, since a kernel that reads out of bounds loses the process's
 CUDA context. Each is checked against float64 (``benchmarks/random_calls.py``'s KV-cache check).
 
 Without it: a decode step that appends one rotated key, B32 H32/8 Sk8192 D128 (and H64/8 D32),
-interleaved or not, kernel time by ``triton.testing.do_bench``; run it once per tree, alternating:
+interleaved or not, over the whole head or part of it, and one without rotary, kernel time by
+``triton.testing.do_bench``; run it once per tree, alternating:
 
     PYTHONPATH=src python benchmarks/kvcache_rotary.py new
     PYTHONPATH=../old/src python benchmarks/kvcache_rotary.py old
@@ -31,7 +32,7 @@ def matrix_cases():
              for sq, interleaved, page in itertools.product([1, 2, 4, 7, 16], [True, False], [16, None])]
     cases += [{**BASE, "head_dim": d, "rotary_dim": r, "seqlen_q": sq, "new_keys": max(sq, 7),
                "rotary_interleaved": interleaved}
-              for (d, r), sq, interleaved in itertools.product([(16, 16), (64, 64), (128, 32), (128, 128)], [1, 7, 16],
+              for (d, r), sq, interleaved in itertools.product([(16, 16), (64, 64), (128, 32), (128, 128), (80, 32), (128, 24), (32, 2), (32, 4), (32, 6), (32, 16)], [1, 7, 16],
                                                                  [True, False])]
     return cases
 
@@ -63,14 +64,19 @@ def decode_steps(tree: str) -> None:
         k, v = (torch.randn(batch, 1, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
                 for _ in range(2))
         angle = torch.rand(capacity, head_dim // 2, device="cuda", generator=generator) * 6.28
-        cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
         seqlens = torch.full((batch,), capacity - 1, dtype=torch.int32, device="cuda")
-        for causal, interleaved in ((False, True), (True, True), (True, False)):
+        variants = [(head_dim, False, True), (head_dim, True, True), (head_dim, True, False), (0, True, False)]
+        if head_dim == 128:  # partial rotary with halves (GPT-NeoX, Phi): a power of two, and not
+            variants += [(64, True, False), (48, True, False)]
+        for rotary_dim, causal, interleaved in variants:
+            cos, sin = (f(angle[:, :rotary_dim // 2]).to(torch.bfloat16) if rotary_dim else None
+                        for f in (torch.cos, torch.sin))
+
             def step():
                 return fmha.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=seqlens,
                                                     causal=causal, rotary_interleaved=interleaved)
             step()
-            times[f"D{head_dim} causal={causal} interleaved={interleaved}"] = round(
+            times[f"D{head_dim} rotary {rotary_dim} causal={causal} interleaved={interleaved}"] = round(
                 triton.testing.do_bench(step, warmup=50, rep=300) * 1e3, 1)
     print(tree, json.dumps(times), flush=True)
 

@@ -137,7 +137,11 @@ def run_dense(case):
                          keep=keep.view(case["batch"], case["q_heads"], case["seqlen_q"], case["seqlen_k"]))
     window_rule = reference_window(case["seqlen_q"], case["seqlen_k"], case["left"], case["right"], case["causal"])
     inputs = [t.detach() for t in (q, k, v)]
-    assert_close_to_reference(out.detach(), *inputs, window=window_rule, lse=lse, **reference)
+    lse_tol = None
+    if "config" in kwargs and kwargs["config"].row_sum_mma and dtype != torch.float32:
+        # The row sums count P as P·V takes it, rounded to 16 bits: one more unit roundoff of the LSE.
+        lse_tol = 1e-3 + torch.finfo(dtype).eps / 2
+    assert_close_to_reference(out.detach(), *inputs, window=window_rule, lse=lse, lse_tol=lse_tol, **reference)
     if not case["backward"]:
         return
     dout = torch.randn(out.shape, device=DEVICE, dtype=dtype, generator=generator)

@@ -59,6 +59,20 @@ def test_decode_plans_for_an_h100(batch, capacity, splits, block_n):
     assert config.tma == (splits == 1 and batch * 8 < 2 * 132)
 
 
+@pytest.mark.parametrize("head_dim, rotary_dim, block_m", [(32, 32, 32), (32, 2, 32), (32, 0, 128), (64, 32, 128)])
+def test_rotary_tiles_at_head_dim_32(head_dim, rotary_dim, block_m):
+    """A 16-query chunk over 8 query heads per KV head (128 packed rows) at D = 32 with rotary runs
+    in tiles of 32 rows, which triton 3.6 builds right; without rotary, or at D = 64, in 128."""
+    q = torch.empty(1, 16, 64, head_dim, device="meta", dtype=torch.float16)
+    cache = torch.empty(1, 4096, 8, head_dim, device="meta", dtype=torch.float16)
+    new = torch.empty(1, 16, 8, head_dim, device="meta", dtype=torch.float16)
+    table = torch.empty(4096, rotary_dim // 2, device="meta", dtype=torch.float16) if rotary_dim else None
+    lengths = torch.empty(1, device="meta", dtype=torch.int32)
+    params = kvcache_params("test", q, cache, cache, new, new, table, table, lengths, None, None, None, None, True,
+                            (-1, 0), 0.0, False, None, 0)
+    assert kvcache_config(params, 132).block_m == block_m
+
+
 def test_a_merge_over_several_groups_of_chunks():
     """D = 128 with 16 packed rows loads four chunks' partials at a time, so nine chunks merge in three
     groups, some of them seen by no row (the first sequence is empty, the second shorter than a chunk)."""
@@ -178,6 +192,15 @@ def test_rotary(page_size, interleaved, causal):
 def test_rotary_of_the_whole_head(interleaved, dtype):
     """Every column rotated: the pairs (neighbours, or the tile's two halves) split in registers."""
     case = kvcache_case(head_dim=32, rotary_dim=32, dtype=dtype, new_keys=2, seqlen_q=2)
+    check(case, causal=True, rotary_interleaved=interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(40, 16), (64, 32), (32, 2)], ids=str)
+def test_rotary_dims(head_dim, rotary_dim, interleaved):
+    """Partial rotary dims that are powers of two: with halves, the tile splits into groups of
+    rotary_dim columns in registers and only the first group turns."""
+    case = kvcache_case(head_dim=head_dim, rotary_dim=rotary_dim, new_keys=2, seqlen_q=2, page_size=16)
     check(case, causal=True, rotary_interleaved=interleaved)
 
 

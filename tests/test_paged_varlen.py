@@ -81,7 +81,9 @@ def test_rows_past_a_max_seqlen_q_below_the_longest_sequence_are_nan(max_seqlen_
         rows, expected_rows = short[starts[b]:starts[b + 1]], exact[starts[b]:starts[b + 1]]
         torch.testing.assert_close(rows[:max_seqlen_q], expected_rows[:max_seqlen_q])
         for row, expected in zip(rows[max_seqlen_q:], expected_rows[max_seqlen_q:]):
-            assert row.isnan().all() or torch.allclose(row, expected), "a row past the grid is neither NaN nor right"
+            # "right" to float32 rounding: another tile shape sums the products in another order
+            assert row.isnan().all() or torch.allclose(row, expected, rtol=1e-5, atol=1e-6), \
+                "a row past the grid is neither NaN nor right"
     assert short[starts[-1] - 1].isnan().all()
 
 

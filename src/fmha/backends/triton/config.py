@@ -167,6 +167,11 @@ def kvcache_config(params, multiprocessors: int) -> KVCacheConfig:
             # Chunked prefill: compute-bound, larger tiles (H100, 4 x 512 queries over 4096 keys:
             # 181 -> 262 TFLOP/s; docs/perf.md).
             block_m, block_n, num_warps = 128, 128, 8
+    if block_d == 32 and params.rotary_dim:
+        # Triton 3.6 builds D = 32 tiles of 64 and 128 rows that rotate wrong: outputs off by ~2 or
+        # shared-memory reads out of bounds, moved by unrelated changes (rotary dim, pairing, warps,
+        # a stride of 1); tiles of 16 and 32 rows never failed (docs/perf.md, sessions 45-46).
+        block_m, num_warps = min(block_m, 32), 4
     key_blocks = max(1, -(-params.capacity // block_n))
     programs = max(1, params.batch * params.kv_heads * -(-packed_rows // block_m))  # no rows: one program
     if params.num_splits > 0:

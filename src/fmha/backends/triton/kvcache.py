@@ -53,10 +53,10 @@ APPEND_ROWS: tl.constexpr = tl.constexpr(16)
 
 @triton.jit
 def _angles(Cos, Sin, positions, angle, rotated, stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d):
-    """``(cos, sin)`` float32 of the tables' rows ``positions`` and columns ``angle``; (1, 0) where
-    not ``rotated``, so that those features pass through."""
-    cos = tl.load(Cos + positions[:, None] * stride_cos_row + angle[None, :] * stride_cos_d, mask=rotated, other=1.0)
-    sin = tl.load(Sin + positions[:, None] * stride_sin_row + angle[None, :] * stride_sin_d, mask=rotated, other=0.0)
+    """``(cos, sin)`` float32 of the tables' rows ``positions`` and columns ``angle`` (broadcast to
+    ``rotated``'s shape); (1, 0) where not ``rotated``, so that those features pass through."""
+    cos = tl.load(Cos + positions * stride_cos_row + angle * stride_cos_d, mask=rotated, other=1.0)
+    sin = tl.load(Sin + positions * stride_sin_row + angle * stride_sin_d, mask=rotated, other=0.0)
     return cos.to(tl.float32), sin.to(tl.float32)
 
 
@@ -64,39 +64,43 @@ def _angles(Cos, Sin, positions, angle, rotated, stride_cos_row, stride_cos_d, s
 def _rotate(x, row_ptrs, stride_d, offs_d, positions, mask, Cos, Sin,
             stride_cos_row, stride_cos_d, stride_sin_row, stride_sin_d, rotary_rows,
             ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """``x`` [rows, BLOCK_D], loaded from ``row_ptrs`` [rows], rotated at ``positions`` [rows] (float32)."""
+    """``x`` [rows, BLOCK_D], loaded from ``row_ptrs`` [rows], rotated at ``positions`` [rows] (float32).
+
+    The pairs split in registers: neighbours, or the halves of each group of ROTARY_DIM columns
+    where ROTARY_DIM is a power of two (the first group turns). Halves of other rotary dims load
+    each column's partner again."""
     ROWS: tl.constexpr = x.shape[0]
     BLOCK_D: tl.constexpr = x.shape[1]
     half: tl.constexpr = ROTARY_DIM // 2
     in_table = (positions >= 0) & (positions < rotary_rows)
-    if INTERLEAVED or ROTARY_DIM == BLOCK_D:
-        # Each pair split in registers (neighbours, or the two halves of a fully rotated tile), not
-        # loaded again at the partner columns: that load made triton 3.6 build D = 32 tiles that
-        # read shared memory out of bounds (docs/perf.md, session 45).
-        if INTERLEAVED:
-            first, second = x.to(tl.float32).reshape([ROWS, BLOCK_D // 2, 2]).split()
-            row_mask, _ = mask.reshape([ROWS, BLOCK_D // 2, 2]).split()
-        else:
-            first, second = x.to(tl.float32).reshape([ROWS, 2, BLOCK_D // 2]).permute(0, 2, 1).split()
-            row_mask, _ = mask.reshape([ROWS, 2, BLOCK_D // 2]).permute(0, 2, 1).split()
+    if INTERLEAVED:
+        first, second = x.to(tl.float32).reshape([ROWS, BLOCK_D // 2, 2]).split()
+        row_mask, _ = mask.reshape([ROWS, BLOCK_D // 2, 2]).split()
         angle = tl.arange(0, BLOCK_D // 2)
         rotated = row_mask & (angle[None, :] < half) & in_table[:, None]
-        cos, sin = _angles(Cos, Sin, positions, angle, rotated, stride_cos_row, stride_cos_d, stride_sin_row,
-                           stride_sin_d)
+        cos, sin = _angles(Cos, Sin, positions[:, None], angle[None, :], rotated, stride_cos_row, stride_cos_d,
+                           stride_sin_row, stride_sin_d)
+        return tl.join(first * cos - second * sin, second * cos + first * sin).reshape([ROWS, BLOCK_D])
+    elif (ROTARY_DIM & (ROTARY_DIM - 1)) == 0:
+        GROUPS: tl.constexpr = BLOCK_D // ROTARY_DIM
+        first, second = x.to(tl.float32).reshape([ROWS, GROUPS, 2, half]).permute(0, 1, 3, 2).split()
+        row_mask, _ = mask.reshape([ROWS, GROUPS, 2, half]).permute(0, 1, 3, 2).split()
+        group = tl.arange(0, GROUPS)
+        angle = tl.arange(0, half)
+        rotated = row_mask & (group[None, :, None] == 0) & in_table[:, None, None]
+        cos, sin = _angles(Cos, Sin, positions[:, None, None], angle[None, None, :], rotated, stride_cos_row,
+                           stride_cos_d, stride_sin_row, stride_sin_d)
         pairs = tl.join(first * cos - second * sin, second * cos + first * sin)
-        if INTERLEAVED:
-            return pairs.reshape([ROWS, BLOCK_D])
-        else:
-            return pairs.permute(0, 2, 1).reshape([ROWS, BLOCK_D])
-    else:  # the first ROTARY_DIM columns of a wider tile, pairs (i, i + ROTARY_DIM / 2)
+        return pairs.permute(0, 1, 3, 2).reshape([ROWS, BLOCK_D])
+    else:
         first_half = offs_d < half
         partner = tl.where(first_half, offs_d + half, offs_d - half)
         angle = tl.where(first_half, offs_d, offs_d - half)
         sign = tl.where(first_half, -1.0, 1.0)
         rotated = mask & (offs_d[None, :] < ROTARY_DIM) & in_table[:, None]
         other = tl.load(row_ptrs[:, None] + partner[None, :] * stride_d, mask=rotated, other=0.0).to(tl.float32)
-        cos, sin = _angles(Cos, Sin, positions, angle, rotated, stride_cos_row, stride_cos_d, stride_sin_row,
-                           stride_sin_d)
+        cos, sin = _angles(Cos, Sin, positions[:, None], angle[None, :], rotated, stride_cos_row, stride_cos_d,
+                           stride_sin_row, stride_sin_d)
         return x.to(tl.float32) * cos + sign[None, :] * other * sin
 
 
