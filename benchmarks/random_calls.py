@@ -37,6 +37,10 @@ from fmha.testing import (assert_close_to_reference, assert_grads_close, check_k
 
 LENGTHS = [1, 2, 17, 64, 127, 128, 129, 300, 640, 1000, 1536, 2049]
 HEAD_DIMS = [64, 64, 64, 128, 128, 128, 256, 256, 8, 16, 24, 32, 40, 48, 80, 96, 112, 136, 160, 192, 200, 256]
+# the other kinds' own head dims (the KV-cache kernels' tile widths, the models' sizes); --head-dims sets them all
+KVCACHE_HEAD_DIMS = [64, 128, 128, 32, 80, 256]
+PAGED_VARLEN_HEAD_DIMS = [64, 128, 32, 96]
+SDPA_HEAD_DIMS = [64, 128, 40]
 WINDOW_SIDES = [None, None, None, 0, 1, 63, 256, 1024]
 MAX_PAIRS = 6e7  # B * Hq * Sq * Sk, so that the float64 reference stays small
 DEVICE = os.environ.get("FMHA_RANDOM_CALLS_DEVICE", "cuda")  # "cpu": the interpreter, to try a replay
@@ -146,7 +150,7 @@ def run_dense(case):
         return
     dout = torch.randn(out.shape, device=DEVICE, dtype=dtype, generator=generator)
     grads = torch.autograd.grad(out, leaves, dout)
-    assert_grads_close(grads, *inputs, dout, window=window_rule, **reference)
+    assert_grads_close(grads, *inputs, dout, window=window_rule, out=out.detach(), **reference)
     if case["deterministic"]:
         again = torch.autograd.grad(call()[0], leaves, dout)
         assert all(torch.equal(a, b) for a, b in zip(grads, again)), "deterministic gradients differ between runs"
@@ -211,7 +215,7 @@ def run_varlen(case):
         if grads is not None and length_q and length_k:
             # dq, dk, dv only: the sinks' gradient sums over every sequence (the dense calls check it)
             grads_b = [g[s].transpose(0, 1)[None] for g, s in zip(grads, (rows, keys, keys))]
-            assert_grads_close(grads_b, q_b, k_b, v_b, dout_b, window=window_rule, **reference)
+            assert_grads_close(grads_b, q_b, k_b, v_b, dout_b, window=window_rule, out=out_b, **reference)
 
 
 def draw_kvcache(rng):
@@ -219,7 +223,7 @@ def draw_kvcache(rng):
     capacity = rng.choice([16, 100, 1000, 4096, 5000])
     new_keys = min(rng.choice([0, 0, 1, 1, 2, 7, 64]), capacity)
     seqlen_q = rng.choice([1, 1, 1, 2, 4, 7, 64])
-    head_dim = rng.choice([64, 128, 128, 32, 80, 256])
+    head_dim = rng.choice(KVCACHE_HEAD_DIMS)
     case = dict(kind="kvcache", batch=rng.choice([1, 2, 5, 8]), seqlen_q=seqlen_q, kv_heads=kv_heads,
                 q_heads=kv_heads * group, head_dim=head_dim, capacity=capacity, new_keys=new_keys,
                 page_size=rng.choice([None, None, 1, 16, 64, 100, 256]), dtype=rng.choice(["bfloat16", "float16"]),
@@ -260,7 +264,7 @@ def draw_paged_varlen(rng):
     lengths_k = [rng.choice([0, 1, 50, 700, 2000]) for _ in range(count)]
     kv_heads = rng.choice([1, 2, 4])
     return dict(kind="paged_varlen", lengths_q=lengths_q, lengths_k=lengths_k, kv_heads=kv_heads,
-                q_heads=kv_heads * rng.choice([1, 2, 4]), head_dim=rng.choice([64, 128, 32, 96]),
+                q_heads=kv_heads * rng.choice([1, 2, 4]), head_dim=rng.choice(PAGED_VARLEN_HEAD_DIMS),
                 page_size=rng.choice([1, 16, 64, 100, 256]), dtype=rng.choice(["bfloat16", "float16"]),
                 causal=rng.random() < 0.5, window=[rng.choice([-1, -1, 0, 100]), rng.choice([-1, -1, 0, 7])],
                 softcap=rng.choice([0.0, 0.0, 30.0]), spare_blocks=rng.choice([0, 2]))
@@ -278,7 +282,7 @@ def draw_sdpa(rng):
     batch, kv_heads, group = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 4])
     seqlen_q, seqlen_k = rng.choice([1, 17, 128, 300, 1000]), rng.choice([1, 64, 129, 700])
     return dict(kind="sdpa", batch=batch, kv_heads=kv_heads, q_heads=kv_heads * group, seqlen_q=seqlen_q,
-                seqlen_k=seqlen_k, head_dim=rng.choice([64, 128, 40]), dtype=rng.choice(["bfloat16", "float16"]),
+                seqlen_k=seqlen_k, head_dim=rng.choice(SDPA_HEAD_DIMS), dtype=rng.choice(["bfloat16", "float16"]),
                 mask_shape=[rng.choice([1, batch]), rng.choice([1, kv_heads * group]), rng.choice([1, seqlen_q]),
                             seqlen_k],
                 mask_dtype=rng.choice(["bool", "float32", "same"]), expand=rng.random() < 0.3,
@@ -356,14 +360,16 @@ def main():
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", default="random_calls.log")
-    parser.add_argument("--head-dims", help="comma-separated head dims to draw from (default: %s)"
+    parser.add_argument("--head-dims", help="comma-separated head dims that every kind draws from "
+                        "(default for dense and varlen: %s)"
                         % ",".join(map(str, sorted(set(HEAD_DIMS)))))
     parser.add_argument("--kinds", help="comma-separated call kinds to draw (default: all of %s)" % ",".join(FAMILIES))
     parser.add_argument("--worker-seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--replay", help="a failure's JSON line: run that case alone")
     args = parser.parse_args()
     if args.head_dims:
-        HEAD_DIMS[:] = [int(d) for d in args.head_dims.split(",")]
+        for choices in (HEAD_DIMS, KVCACHE_HEAD_DIMS, PAGED_VARLEN_HEAD_DIMS, SDPA_HEAD_DIMS):
+            choices[:] = [int(d) for d in args.head_dims.split(",")]
     if args.replay:
         run_case(json.loads(args.replay))
         print("ok")

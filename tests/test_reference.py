@@ -110,3 +110,46 @@ def test_half_ulp_is_half_the_spacing_of_the_dtypes_numbers(value, dtype):
     spacing = (above.double() - below.double()).item()
     assert half_ulp(below.item(), dtype) == pytest.approx(spacing / 2, rel=1e-9)
     assert half_ulp(0.0, dtype) == 0.0
+
+
+def _gradients_with_delta_from(out, q, k, v, dout, keep, dropout_p, softcap, window):
+    """dq, dk, dv in float64 by FlashAttention's backward: delta = rowsum(dO · out) from the given
+    output, P recomputed, dS = P (dP - delta), written out by hand (one KV head per query head)."""
+    scale = q.shape[-1] ** -0.5
+    raw = (q @ k.transpose(-1, -2)) * scale
+    capped = softcap * torch.tanh(raw / softcap) if softcap else raw
+    rows, keys = torch.arange(q.shape[2]), torch.arange(k.shape[2])
+    scores = capped.masked_fill(~window.visible(rows, keys), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    kept = torch.where(keep, probs / (1 - dropout_p), 0.0)
+    dprobs = torch.where(keep, (dout @ v.transpose(-1, -2)) / (1 - dropout_p), 0.0)
+    delta = (dout * out).sum(-1, keepdim=True)
+    dscores = probs * (dprobs - delta)
+    if softcap:
+        dscores = dscores * (1 - torch.tanh(raw / softcap) ** 2)
+    return dscores @ k * scale, dscores.transpose(-1, -2) @ q * scale, kept.transpose(-1, -2) @ dout
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("left, dropout_p", [(0, 0.0), (0, 0.3), (5, 0.0), (None, 0.3)])
+def test_grads_rule_allows_the_outputs_rounding_through_delta(left, dropout_p, softcap):
+    """The backward's delta comes from the output the forward returned. Gradients computed exactly
+    from a rounded output differ from the truth by what ``assert_grads_close(out=...)`` allows, and
+    fail the rule without it: with ``left = 0`` every row sees one key, where torch's own error is 0."""
+    from fmha.masking import Window
+    from fmha.testing import assert_grads_close
+
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 2, 24, 16, dtype=torch.float64, generator=generator) for _ in range(4))
+    keep = torch.rand(1, 2, 24, 24, generator=generator) >= dropout_p
+    window = Window.of(24, 24, left=left, right=0)
+    scores = dict(softcap=softcap, dropout_p=dropout_p, keep=keep) if dropout_p else dict(softcap=softcap)
+    exact, _ = dense_attention(q, k, v, window=window, **scores)
+    rounded = exact.to(torch.float16).double()  # a 16-bit forward's output, read back
+    grads = _gradients_with_delta_from(rounded, q, k, v, dout, keep if dropout_p else torch.ones_like(keep),
+                                       dropout_p, softcap, window)
+    inputs = [t.float() for t in (q, k, v, dout)]
+    grads = [g.float() for g in grads]
+    assert_grads_close(grads, *inputs, window=window, out=rounded.float(), **scores)
+    with pytest.raises(AssertionError, match="dq: max error"):
+        assert_grads_close(grads, *inputs, window=window, **scores)
