@@ -29,7 +29,7 @@ import torch
 
 import fmha
 from fmha import ops
-from fmha.backends.gluon_sm90.schedule import tile_head_dim
+from fmha.backends.gluon_sm90.schedule import BOUNDED_SOFTCAP_LIMIT, tile_head_dim
 from fmha.backends.triton.launch import dropout_keep_mask, kernel_dropout_p
 from fmha.masking import Window
 from fmha.testing import (assert_close_to_reference, assert_grads_close, check_kvcache, check_paged_varlen,
@@ -64,6 +64,17 @@ def score_tensors(case, batch, q_heads):
     if case["sinks"]:
         scores["sinks"] = torch.randn(q_heads, device=DEVICE, generator=generator)
     return scores
+
+
+def output_roundings(case, on_hopper_forward):
+    """Half-units in the last place that the output may be off beyond torch's error: 2 where the
+    Hopper forward softmaxes a bf16 softcap against a fixed max (``softcap_kind`` "bounded"). There
+    P·V takes each probability rounded to bf16 and the row sum the float32 one, and no probability
+    is exactly 1, so each row is off by up to 2^-9 before the output's own rounding: one unit in the
+    last place in a row that sees one key, where torch's bf16 formula returns V's row exactly."""
+    bounded = (case["dtype"] == "bfloat16" and case["softcap"] and case["softcap"] <= BOUNDED_SOFTCAP_LIMIT
+               and not case["alibi"])
+    return 2 if bounded and on_hopper_forward else 1
 
 
 def detached(scores):
@@ -145,7 +156,9 @@ def run_dense(case):
     if "config" in kwargs and kwargs["config"].row_sum_mma and dtype != torch.float32:
         # The row sums count P as P·V takes it, rounded to 16 bits: one more unit roundoff of the LSE.
         lse_tol = 1e-3 + torch.finfo(dtype).eps / 2
-    assert_close_to_reference(out.detach(), *inputs, window=window_rule, lse=lse, lse_tol=lse_tol, **reference)
+    assert_close_to_reference(out.detach(), *inputs, window=window_rule, lse=lse, lse_tol=lse_tol,
+                              roundings=output_roundings(case, explanation.backend.startswith("gluon_sm90")),
+                              **reference)
     if not case["backward"]:
         return
     dout = torch.randn(out.shape, device=DEVICE, dtype=dtype, generator=generator)
@@ -201,6 +214,9 @@ def run_varlen(case):
         keep = keep.view(case["q_heads"], q.shape[0], k.shape[0])
     dout = torch.randn(out.shape, device=DEVICE, dtype=dtype, generator=generator)
     grads = torch.autograd.grad(out, leaves, dout) if case["backward"] else None
+    # packed calls have no explain(): where the Hopper forward could have run them
+    on_hopper = (q.is_cuda and torch.cuda.get_device_capability() == (9, 0)
+                 and tile_head_dim(case["head_dim"]) is not None)
     for b, (length_q, length_k) in enumerate(zip(lengths_q, lengths_k)):
         rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         q_b, k_b, v_b, out_b, dout_b = (t.detach()[s].transpose(0, 1)[None] for t, s in
@@ -211,7 +227,8 @@ def run_varlen(case):
         if keep is not None:
             reference.update(dropout_p=kernel_dropout_p(case["dropout_p"]), keep=keep[:, rows, :length_k][None])
         window_rule = reference_window(length_q, length_k, case["left"], case["right"], case["causal"])
-        assert_close_to_reference(out_b, q_b, k_b, v_b, window=window_rule, lse=lse[:, rows][None], **reference)
+        assert_close_to_reference(out_b, q_b, k_b, v_b, window=window_rule, lse=lse[:, rows][None],
+                                  roundings=output_roundings(case, on_hopper), **reference)
         if grads is not None and length_q and length_k:
             # dq, dk, dv only: the sinks' gradient sums over every sequence (the dense calls check it)
             grads_b = [g[s].transpose(0, 1)[None] for g, s in zip(grads, (rows, keys, keys))]

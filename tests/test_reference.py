@@ -153,3 +153,21 @@ def test_grads_rule_allows_the_outputs_rounding_through_delta(left, dropout_p, s
     assert_grads_close(grads, *inputs, window=window, out=rounded.float(), **scores)
     with pytest.raises(AssertionError, match="dq: max error"):
         assert_grads_close(grads, *inputs, window=window, **scores)
+
+
+def test_output_rule_allows_more_roundings_only_when_asked():
+    """``roundings=2`` widens the default allowance to one unit in the last place of the largest
+    output; the default is half of one. A row that sees one key: torch's own error is zero there."""
+    from fmha.masking import Window
+    from fmha.testing import assert_close_to_reference
+
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 8, 16, generator=generator).to(torch.bfloat16) for _ in range(3))
+    v[0, 0, 3, 0] = 3.5  # the largest output: its unit in the last place is 2^-6
+    window = Window.of(8, 8, left=0, right=0)
+    one_ulp_off = v.clone()
+    one_ulp_off[0, 0, 3, 0] = torch.nextafter(v[0, 0, 3, 0], torch.tensor(4.0, dtype=torch.bfloat16))
+    assert_close_to_reference(v.clone(), q, k, v, window=window)
+    assert_close_to_reference(one_ulp_off, q, k, v, window=window, roundings=2)
+    with pytest.raises(AssertionError, match="max error"):
+        assert_close_to_reference(one_ulp_off, q, k, v, window=window)
