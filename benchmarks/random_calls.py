@@ -8,6 +8,8 @@ run. Several worker processes share the GPU so that kernel builds overlap.
 
     PYTHONPATH=src python benchmarks/random_calls.py --seconds 300 --workers 8 --log $OUT/random_calls.log
     PYTHONPATH=src python benchmarks/random_calls.py --kinds kvcache,paged_varlen ...  # some kinds only
+    TRITON_INTERPRET=1 FMHA_RANDOM_CALLS_DEVICE=cpu PYTHONPATH=src python benchmarks/random_calls.py \
+        --workers 2 ...  # the portable kernels under the interpreter, small shapes, no bf16
 
 Each failure is printed with the arguments that reproduce it (``--replay`` takes its JSON). Rows
 that see one key, where torch's same-dtype answer is exact, are held to the two roundings the
@@ -347,6 +349,37 @@ FAMILIES = {"dense": (draw_dense, run_dense, 5), "varlen": (draw_varlen, run_var
             "sdpa": (draw_sdpa, run_sdpa, 1)}
 
 
+def interpreter_case(case):
+    """The case as Triton's interpreter on the CPU runs it (``FMHA_RANDOM_CALLS_DEVICE=cpu``): no
+    bf16 (its products are wrong there: float32 for the attention kinds, float16 for the others,
+    whose checks know the 16-bit types), no Hopper schedule, and lengths cut to at most 130 with
+    their odd tails kept, batches to 2."""
+    def small(length):
+        return length if length <= 130 else 64 + length % 67
+
+    if case.get("dtype") == "bfloat16":
+        case["dtype"] = "float32" if case["kind"] in ("dense", "varlen") else "float16"
+    case["schedule"] = None
+    for name in ("lengths_q", "lengths_k"):
+        if name in case:
+            case[name] = [small(length) for length in case[name]]
+    if "mask_shape" in case:  # SDPA's mask spans the keys and, unless broadcast, the queries
+        case["mask_shape"][2] = small(case["mask_shape"][2])
+        case["mask_shape"][3] = small(case["mask_shape"][3])
+    for name in ("seqlen_q", "seqlen_k", "capacity"):
+        if name in case:
+            case[name] = small(case[name])
+    if "batch" in case:
+        case["batch"] = min(case["batch"], 2)
+    if case["kind"] == "kvcache":
+        case["new_keys"] = min(case["new_keys"], case["capacity"])
+        if case["rotary_dim"] and case["seqlen_q"] > case["new_keys"]:
+            case["rotary_dim"] = 0
+    if case["kind"] == "sdpa" and case["mask_shape"][0] > case["batch"]:
+        case["mask_shape"][0] = case["batch"]
+    return case
+
+
 def run_case(case):
     torch.manual_seed(case["seed"])
     FAMILIES[case["kind"]][1](case)
@@ -359,6 +392,8 @@ def worker(seed: int, seconds: float, kinds=None) -> None:
     while time.time() < deadline:
         case = FAMILIES[rng.choice(names)][0](rng)
         case["seed"] = rng.randrange(1 << 30)
+        if DEVICE == "cpu":
+            case = interpreter_case(case)
         started = time.time()
         try:
             run_case(case)
