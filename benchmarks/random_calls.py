@@ -33,9 +33,10 @@ import torch
 
 import fmha
 from fmha import ops
-from fmha.backends.gluon_sm90.schedule import BOUNDED_SOFTCAP_LIMIT, tile_head_dim
+from fmha.backends.gluon_sm90.schedule import softcap_kind, tile_head_dim
 from fmha.backends.triton.launch import dropout_keep_mask, kernel_dropout_p
 from fmha.masking import Window
+from fmha.params import attention_params
 from fmha.testing import (assert_close_to_reference, assert_grads_close, check_kvcache, check_paged_varlen,
                           random_kvcache, random_paged_varlen, random_qkv)
 
@@ -70,14 +71,14 @@ def score_tensors(case, batch, q_heads):
     return scores
 
 
-def output_roundings(case, on_hopper_forward):
+def output_roundings(q, k, v, scores, on_hopper_forward):
     """Half-units in the last place that the output may be off beyond torch's error: 2 where the
-    Hopper forward softmaxes a bf16 softcap against a fixed max (``softcap_kind`` "bounded"). There
+    Hopper forward softmaxes a softcap against a fixed max (``softcap_kind`` "bounded", bf16). There
     P·V takes each probability rounded to bf16 and the row sum the float32 one, and no probability
     is exactly 1, so each row is off by up to 2^-9 before the output's own rounding: one unit in the
     last place in a row that sees one key, where torch's bf16 formula returns V's row exactly."""
-    bounded = (case["dtype"] == "bfloat16" and case["softcap"] and case["softcap"] <= BOUNDED_SOFTCAP_LIMIT
-               and not case["alibi"])
+    features = {name: scores[name] for name in ("softcap", "alibi_slopes") if name in scores}
+    bounded = softcap_kind(attention_params("random_calls", q, k, v, **features)) == "bounded"
     return 2 if bounded and on_hopper_forward else 1
 
 
@@ -161,7 +162,8 @@ def run_dense(case):
         # The row sums count P as P·V takes it, rounded to 16 bits: one more unit roundoff of the LSE.
         lse_tol = 1e-3 + torch.finfo(dtype).eps / 2
     assert_close_to_reference(out.detach(), *inputs, window=window_rule, lse=lse, lse_tol=lse_tol,
-                              roundings=output_roundings(case, explanation.backend.startswith("gluon_sm90")),
+                              roundings=output_roundings(*inputs, reference,
+                                                         explanation.backend.startswith("gluon_sm90")),
                               **reference)
     if not case["backward"]:
         return
@@ -232,7 +234,7 @@ def run_varlen(case):
             reference.update(dropout_p=kernel_dropout_p(case["dropout_p"]), keep=keep[:, rows, :length_k][None])
         window_rule = reference_window(length_q, length_k, case["left"], case["right"], case["causal"])
         assert_close_to_reference(out_b, q_b, k_b, v_b, window=window_rule, lse=lse[:, rows][None],
-                                  roundings=output_roundings(case, on_hopper), **reference)
+                                  roundings=output_roundings(q_b, k_b, v_b, reference, on_hopper), **reference)
         if grads is not None and length_q and length_k:
             # dq, dk, dv only: the sinks' gradient sums over every sequence (the dense calls check it)
             grads_b = [g[s].transpose(0, 1)[None] for g, s in zip(grads, (rows, keys, keys))]
