@@ -528,6 +528,34 @@ def test_torch_compile_fullgraph_with_features():
         torch.testing.assert_close(got, expected)
 
 
+def test_torch_compile_dynamic_takes_symbolic_floats_and_sizes():
+    """With dynamic shapes (``dynamic=True``, or torch.compile's own after a second shape) the
+    floats passed in (scale, softcap) and the sizes of sinks and ALiBi slopes are symbolic: the
+    argument checks compare them, and the graph stays whole."""
+    def attention(q, k, v, sinks, slopes, scale, softcap):
+        return fmha.attention(q, k, v, causal=True, scale=scale, softcap=softcap, alibi_slopes=slopes, sinks=sinks)
+
+    def flash(q, k, v, slopes, scale, softcap):
+        return fmha.flash_attn_func(q, k, v, softmax_scale=scale, softcap=softcap, alibi_slopes=slopes,
+                                    window_size=(4, 0))
+
+    def decode(q, k_cache, v_cache, seqlens, sinks, slopes, scale, softcap):
+        return fmha.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, softmax_scale=scale,
+                                           softcap=softcap, alibi_slopes=slopes, sinks=sinks, causal=True)
+
+    for seqlen in (5, 9):
+        q, k, v = random_qkv(2, 4, 2, seqlen, seqlen + 3, 16, torch.float16)
+        sinks, slopes = torch.randn(4), torch.rand(2, 4)
+        cases = [(attention, (q, k, v, sinks, slopes)),
+                 (flash, tuple(t.transpose(1, 2) for t in (q, k, v)) + (slopes[0],)),
+                 (decode, (q.transpose(1, 2)[:, :1], k.transpose(1, 2), v.transpose(1, 2),
+                           torch.tensor([seqlen, 2], dtype=torch.int32), sinks, slopes))]
+        for fn, args in cases:
+            compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+            for scale, softcap in ((0.25, 8.0), (0.5, 3.0)):
+                torch.testing.assert_close(compiled(*args, scale, softcap), fn(*args, scale, softcap), rtol=0, atol=0)
+
+
 def test_custom_op_schemas_name_every_argument_once():
     # Inductor builds a Python signature from a schema: a tensor and an option of one name break it.
     for op in (ops.forward_op, ops.backward_op, ops.varlen_forward_op, ops.varlen_backward_op):

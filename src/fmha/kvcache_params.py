@@ -11,14 +11,12 @@ block table entries must name pages of the cache.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 
 from .params import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_alibi_slopes, check_cu_seqlens, check_flag, check_max_seqlen,
-                     check_sinks, check_softcap, flash_window)
+                     check_scale, check_sinks, check_softcap, flash_window)
 from .runtime import GRID_AXIS_LIMIT, INTERPRETED
 
 
@@ -162,14 +160,7 @@ def _cache(fn, q, k_cache, v_cache, block_table, batch, q_heads, head_dim, softc
 
 
 def _scale_and_window(fn, softmax_scale, causal, window_size, capacity, head_dim) -> dict:
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"{fn}: softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    elif not math.isfinite(softmax_scale):
-        raise ValueError(f"{fn}: softmax_scale must be finite, got {softmax_scale}")
-    else:
-        scale = float(softmax_scale)
+    scale = check_scale(fn, softmax_scale, head_dim, "softmax_scale")
     check_flag(fn, "causal", causal)
     left, right = flash_window(fn, window_size) or (None, None)
     if causal:

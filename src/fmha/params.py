@@ -229,12 +229,18 @@ def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
                          "(or on the CPU under TRITON_INTERPRET=1, or on meta tensors for shapes only)")
 
 
+def is_finite(value) -> bool:
+    """Whether a real number is finite (NaN is not), by comparisons alone: they also hold for
+    torch.compile's symbolic floats, which ``math.isfinite`` cannot take."""
+    return -math.inf < value < math.inf
+
+
 def check_scale(fn: str, scale, head_dim: int, name: str = "scale") -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{fn}: {name} must be a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
+    if not is_finite(scale):
         raise ValueError(f"{fn}: {name} must be finite, got {scale}")
     return float(scale)
 
@@ -242,7 +248,7 @@ def check_scale(fn: str, scale, head_dim: int, name: str = "scale") -> float:
 def check_flash_options(fn: str, softmax_scale, return_attn_probs) -> None:
     """The FlashAttention functions' own argument names, checked before fmha's entry points (whose
     errors say ``scale``) see them; a float scale and a bool flag cost two class tests."""
-    if softmax_scale is not None and (softmax_scale.__class__ is not float or not math.isfinite(softmax_scale)):
+    if softmax_scale is not None and (softmax_scale.__class__ is not float or not is_finite(softmax_scale)):
         check_scale(fn, softmax_scale, 1, "softmax_scale")
     if return_attn_probs.__class__ is not bool:
         check_flag(fn, "return_attn_probs", return_attn_probs)
@@ -286,7 +292,7 @@ def check_softcap(fn: str, softcap) -> float:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"{fn}: softcap must be a real number > 0 or None, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap > 0):
+    if not (is_finite(softcap) and softcap > 0):
         raise ValueError(f"{fn}: softcap must be finite and > 0 (None turns it off), got {softcap}")
     return float(softcap)
 
@@ -296,7 +302,9 @@ def _check_float32_tensor(fn: str, name: str, tensor, device: torch.device, shap
         raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(tensor).__name__}")
     if tensor.dtype != torch.float32:
         raise TypeError(f"{fn}: {name} must be float32, got {tensor.dtype}")
-    if tuple(tensor.shape) not in shapes:
+    # size by size, not ``tuple(tensor.shape) in shapes``: torch.compile's symbolic sizes compare by ==
+    if not any(tensor.dim() == len(shape) and all(size == expected for size, expected in zip(tensor.shape, shape))
+               for shape in shapes):
         raise ValueError(f"{fn}: {name} must have shape {described}, got {tuple(tensor.shape)}")
     if tensor.device != device:
         raise ValueError(f"{fn}: {name} is on {tensor.device} and q on {device}; they must share a device")
