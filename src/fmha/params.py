@@ -302,9 +302,10 @@ def _check_float32_tensor(fn: str, name: str, tensor, device: torch.device, shap
         raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(tensor).__name__}")
     if tensor.dtype != torch.float32:
         raise TypeError(f"{fn}: {name} must be float32, got {tensor.dtype}")
-    # size by size, not ``tuple(tensor.shape) in shapes``: torch.compile's symbolic sizes compare by ==
-    if not any(tensor.dim() == len(shape) and all(size == expected for size, expected in zip(tensor.shape, shape))
-               for shape in shapes):
+    # Then size by size: tuple membership does not compare torch.compile's symbolic sizes
+    if tuple(tensor.shape) not in shapes and not any(
+            tensor.dim() == len(shape) and all(size == expected for size, expected in zip(tensor.shape, shape))
+            for shape in shapes):
         raise ValueError(f"{fn}: {name} must have shape {described}, got {tuple(tensor.shape)}")
     if tensor.device != device:
         raise ValueError(f"{fn}: {name} is on {tensor.device} and q on {device}; they must share a device")
