@@ -292,7 +292,7 @@ def check_softcap(fn: str, softcap) -> float:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"{fn}: softcap must be a real number > 0 or None, got {type(softcap).__name__}")
-    if not (is_finite(softcap) and softcap > 0):
+    if not 0 < softcap < math.inf:  # comparisons: they also take torch.compile's symbolic floats
         raise ValueError(f"{fn}: softcap must be finite and > 0 (None turns it off), got {softcap}")
     return float(softcap)
 
