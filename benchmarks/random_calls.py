@@ -98,7 +98,8 @@ def draw_dense(rng):
                 seqlen_k=seqlen_k, head_dim=rng.choice(HEAD_DIMS),
                 dtype=rng.choice(["bfloat16", "bfloat16", "float16"]), layout=rng.choice(["bhsd", "bshd"]),
                 causal=rng.random() < 0.5, left=rng.choice(WINDOW_SIDES), right=rng.choice(WINDOW_SIDES),
-                backward=rng.random() < 0.5, deterministic=rng.random() < 0.15)
+                backward=rng.random() < 0.5, deterministic=rng.random() < 0.15,
+                views=[rng.choice(VIEWS) for _ in "qkv"])
     case.update(draw_scores(rng))
     # Half the calls the Gluon kernels could run name a Hopper schedule (the default picks the
     # portable forward for short calls).
@@ -107,6 +108,34 @@ def draw_dense(rng):
                                    {"consumers": 3, "q_buffers": 2, "row_sum_mma": True},
                                    {"block_n": 64, "pack_p": True}, {"block_n": 64, "dynamic": True, "pack_p": True}])
     return case
+
+
+# How each of q, k and v is laid out beyond `layout`: mostly as drawn; else every second row of a
+# wider buffer (rows not 16-byte aligned), one element past a 16-byte boundary, the heads (or,
+# with one head, the batch) expanded from one with stride 0, or the dimensions stored in a random order.
+VIEWS = [None] * 6 + ["rows_apart", "unaligned", "expanded", "permuted"]
+
+
+def restrided(tensor, view, rng):
+    """``tensor``'s values (or, for "expanded", those of its first head or batch) in the view
+    ``view``; the memory around a view holds NaN, so that reading past it shows."""
+    batch, heads, seqlen, head_dim = tensor.shape
+    if view == "rows_apart":
+        wider = torch.full((batch, heads, 2 * seqlen, head_dim + 3), float("nan"), dtype=tensor.dtype,
+                           device=tensor.device)
+        wider[:, :, ::2, 1:head_dim + 1] = tensor
+        return wider[:, :, ::2, 1:head_dim + 1]
+    if view == "unaligned":
+        flat = torch.full((tensor.numel() + 1,), float("nan"), dtype=tensor.dtype, device=tensor.device)
+        flat[1:] = tensor.reshape(-1)
+        return flat[1:].view(tensor.shape)
+    if view == "expanded":
+        return tensor[:, :1].expand(tensor.shape) if heads > 1 else tensor[:1].expand(tensor.shape)
+    if view == "permuted":
+        order = list(range(4))
+        rng.shuffle(order)
+        return tensor.permute(order).contiguous().permute([order.index(d) for d in range(4)])
+    return tensor
 
 
 def reference_window(seqlen_q, seqlen_k, left, right, causal):
@@ -120,6 +149,8 @@ def run_dense(case):
     generator = torch.Generator(device=DEVICE).manual_seed(case["seed"])
     q, k, v = random_qkv(case["batch"], case["q_heads"], case["kv_heads"], case["seqlen_q"], case["seqlen_k"],
                          case["head_dim"], dtype, device=DEVICE, layout=case["layout"], generator=generator)
+    views_rng = random.Random(case["seed"])
+    q, k, v = (restrided(t, view, views_rng) for t, view in zip((q, k, v), case.get("views", [None] * 3)))
     scores = score_tensors(case, case["batch"], case["q_heads"])
     window = (case["left"], case["right"]) if case["left"] is not None or case["right"] is not None else None
     kwargs = dict(causal=case["causal"], window=window, deterministic=case["deterministic"], **scores)
