@@ -75,13 +75,21 @@ def test_packed_variants_and_their_gradients():
     (dict(softcap=-30.0), ValueError, r"softcap must be finite and > 0"),
     (dict(dropout_p=1.5), ValueError, r"dropout_p must be a float in \[0, 1\]"),
     (dict(alibi_slopes=torch.ones(2)), ValueError, r"alibi_slopes must have shape \(4,\) or \(1, 4\)"),
-    (dict(softmax_scale=float("nan")), ValueError, r"fmha.flash_attn_func: softmax_scale must be finite"),
-    (dict(softmax_scale="0.1"), TypeError, r"fmha.flash_attn_func: softmax_scale must be a real number"),
-    (dict(return_attn_probs="yes"), TypeError, r"fmha.flash_attn_func: return_attn_probs must be a bool"),
+    (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite"),
+    (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a real number"),
+    (dict(return_attn_probs="yes"), TypeError, r"return_attn_probs must be a bool"),
+    (dict(deterministic=1), TypeError, r"deterministic must be a bool"),
+    (dict(causal=None), TypeError, r"causal must be a bool"),
+    (dict(v_dtype=torch.float32), TypeError, r"must have the same dtype"),
+    (dict(k_batch=2), ValueError, r"batch sizes differ"),
 ])
 def test_unsupported_or_bad_arguments_are_named(kwargs, error, pattern):
     (q, k, v), _ = bshd(1, 4, 2, 8, 8, 16)
-    with pytest.raises(error, match=pattern):
+    kwargs = dict(kwargs)
+    v = v.to(kwargs.pop("v_dtype", v.dtype))
+    k = k.expand(kwargs.pop("k_batch", 1), *k.shape[1:])
+    # every message names the function called, though most checks are fmha.attention's
+    with pytest.raises(error, match=r"^fmha.flash_attn_func: .*" + pattern):
         fmha.flash_attn_func(q, k, v, **kwargs)
 
 

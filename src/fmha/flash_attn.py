@@ -30,10 +30,16 @@ def _flash(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     _check_bshd(fn, q=q, k=k, v=v)
     check_flash_options(fn, softmax_scale, return_attn_probs)
     softcap = None if softcap == 0.0 else softcap
-    out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                         scale=softmax_scale, window=flash_window(fn, window_size), softcap=softcap,
-                         alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
-                         return_lse=True)
+    try:
+        out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                             scale=softmax_scale, window=flash_window(fn, window_size), softcap=softcap,
+                             alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
+                             return_lse=True)
+    except (TypeError, ValueError, NotImplementedError) as error:  # named for the function the caller called
+        message = str(error)
+        if not message.startswith("fmha.attention: "):
+            raise
+        raise type(error)(fn + message[len("fmha.attention"):]) from None
     out = out.transpose(1, 2)
     # FlashAttention returns (out, softmax_lse, S_dmask); S_dmask, a testing aid holding the
     # dropout pattern, is never materialised here (the bits live only in the kernels): None.
