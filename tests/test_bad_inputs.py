@@ -19,6 +19,10 @@ def randn(*shape):
     return torch.randn(*shape).to(torch.float16)
 
 
+KINDS = ["attention", "sdpa", "flash", "qkvpacked", "kvpacked", "varlen", "varlen_attention", "varlen_kvpacked",
+         "varlen_qkvpacked", "kvcache", "paged"]
+
+
 def valid_call(kind):
     """(function, its name in messages, args, kwargs): a call that is valid as it stands."""
     q, kv = (BATCH, SEQLEN_Q, Q_HEADS, HEAD_DIM), (BATCH, SEQLEN_K, KV_HEADS, HEAD_DIM)
@@ -38,11 +42,30 @@ def valid_call(kind):
         return fmha.flash_attn_func, "fmha.flash_attn_func", [randn(*q), randn(*kv), randn(*kv)], dict(
             dropout_p=0.0, softmax_scale=0.2, causal=True, window_size=(3, 0), softcap=20.0,
             alibi_slopes=torch.rand(BATCH, Q_HEADS), deterministic=False, return_attn_probs=True)
+    if kind == "qkvpacked":
+        return fmha.flash_attn_qkvpacked_func, "fmha.flash_attn_qkvpacked_func", [
+            randn(BATCH, SEQLEN_K, 3, KV_HEADS, HEAD_DIM)], dict(causal=False, window_size=(-1, 2), dropout_p=0.2)
+    if kind == "kvpacked":
+        return fmha.flash_attn_kvpacked_func, "fmha.flash_attn_kvpacked_func", [
+            randn(*q), randn(BATCH, SEQLEN_K, 2, KV_HEADS, HEAD_DIM)], dict(causal=True, softcap=5.0,
+                                                                           alibi_slopes=torch.rand(Q_HEADS))
+    cu_seqlens_q, cu_seqlens_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 4, 9]))
     if kind == "varlen":
-        cu_seqlens_q, cu_seqlens_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 4, 9]))
         return fmha.flash_attn_varlen_func, "fmha.flash_attn_varlen_func", [
             randn(5, Q_HEADS, HEAD_DIM), randn(9, KV_HEADS, HEAD_DIM), randn(9, KV_HEADS, HEAD_DIM), cu_seqlens_q,
             cu_seqlens_k, 3, 5], dict(causal=True, window_size=(2, 1), softcap=0.0)
+    if kind == "varlen_attention":
+        return fmha.varlen_attention, "fmha.varlen_attention", [
+            randn(5, Q_HEADS, HEAD_DIM), randn(9, KV_HEADS, HEAD_DIM), randn(9, KV_HEADS, HEAD_DIM), cu_seqlens_q,
+            cu_seqlens_k, 3, 5], dict(causal=False, window=(None, 1), sinks=torch.randn(Q_HEADS),
+                                      alibi_slopes=torch.rand(2, Q_HEADS), dropout_p=0.1, return_lse=True)
+    if kind == "varlen_kvpacked":
+        return fmha.flash_attn_varlen_kvpacked_func, "fmha.flash_attn_varlen_kvpacked_func", [
+            randn(5, Q_HEADS, HEAD_DIM), randn(9, 2, KV_HEADS, HEAD_DIM), cu_seqlens_q, cu_seqlens_k, 3, 5], dict(
+            causal=True, softcap=3.0)
+    if kind == "varlen_qkvpacked":
+        return fmha.flash_attn_varlen_qkvpacked_func, "fmha.flash_attn_varlen_qkvpacked_func", [
+            randn(9, 3, KV_HEADS, HEAD_DIM), cu_seqlens_k, 5], dict(window_size=(1, 1), return_attn_probs=True)
     capacity = 12
     kwargs = dict(k=randn(BATCH, 2, KV_HEADS, HEAD_DIM), v=randn(BATCH, 2, KV_HEADS, HEAD_DIM),
                   cache_seqlens=torch.tensor([3, 7], dtype=torch.int32), causal=True, num_splits=2,
@@ -98,7 +121,7 @@ def made_wrong(value, rng):
         "zero": lambda: 0,
         "short": lambda: value[:1],
         "long": lambda: value + (1,),
-        "floats": lambda: tuple(float(side) + 0.5 for side in value),
+        "floats": lambda: tuple(float(side or 0) + 0.5 for side in value),
     }
     return how, changes[how]()
 
@@ -121,8 +144,8 @@ def tensors_of(args, kwargs):
 
 
 @pytest.mark.interpreter
-@settings(max_examples=600, deadline=None, derandomize=True)
-@given(kind=st.sampled_from(["attention", "sdpa", "flash", "varlen", "kvcache", "paged"]),
+@settings(max_examples=1000, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(KINDS),
        seed=st.integers(0, 2**32 - 1))
 def test_one_wrong_argument_is_named_before_any_launch(kind, seed):
     rng = random.Random(seed)
