@@ -28,7 +28,7 @@ def _check_bshd(fn: str, **tensors) -> None:
 def _flash(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
            return_attn_probs):
     _check_bshd(fn, q=q, k=k, v=v)
-    check_flash_options(fn, softmax_scale, return_attn_probs)
+    check_flash_options(fn, softmax_scale, return_attn_probs, softcap)
     softcap = None if softcap == 0.0 else softcap
     try:
         out, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
@@ -89,7 +89,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 def _flash_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs):
-    check_flash_options(fn, softmax_scale, return_attn_probs)
+    check_flash_options(fn, softmax_scale, return_attn_probs, softcap)
     softcap = None if softcap == 0.0 else softcap
     out, lse = packed_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 scale=softmax_scale, window=flash_window(fn, window_size), softcap=softcap,

@@ -96,7 +96,7 @@ def _cache(fn, q, k_cache, v_cache, block_table, batch, q_heads, head_dim, softc
     the score options. Returns those KVCacheParams fields."""
     if isinstance(softcap, bool):
         raise TypeError(f"{fn}: softcap must be a float (0.0: off), got bool")
-    softcap = check_softcap(fn, None if softcap == 0.0 else softcap)
+    softcap = check_softcap(fn, None if softcap == 0.0 else softcap, off="0.0")
     for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if name != "q":
             _tensor(fn, name, tensor, 4, "(batch, seqlen, heads, head_dim), or (pages, page_size, heads, head_dim) "

@@ -245,13 +245,16 @@ def check_scale(fn: str, scale, head_dim: int, name: str = "scale") -> float:
     return float(scale)
 
 
-def check_flash_options(fn: str, softmax_scale, return_attn_probs) -> None:
-    """The FlashAttention functions' own argument names, checked before fmha's entry points (whose
-    errors say ``scale``) see them; a float scale and a bool flag cost two class tests."""
+def check_flash_options(fn: str, softmax_scale, return_attn_probs, softcap) -> None:
+    """The FlashAttention functions' own argument names and conventions, checked before fmha's
+    entry points (whose errors say ``scale``, and None for no softcap) see them; a float scale, a
+    bool flag and a float softcap cost three class tests."""
     if softmax_scale is not None and (softmax_scale.__class__ is not float or not is_finite(softmax_scale)):
         check_scale(fn, softmax_scale, 1, "softmax_scale")
     if return_attn_probs.__class__ is not bool:
         check_flag(fn, "return_attn_probs", return_attn_probs)
+    if softcap != 0.0 and (softcap.__class__ is not float or not 0.0 < softcap < math.inf):
+        check_softcap(fn, softcap, off="0.0")
 
 
 def check_flag(fn: str, name: str, value) -> bool:
@@ -286,14 +289,15 @@ def flash_window(fn: str, window_size) -> tuple[int | None, int | None] | None:
     return None if sides == [None, None] else (sides[0], sides[1])
 
 
-def check_softcap(fn: str, softcap) -> float:
-    """``softcap``: None (off) or a finite real > 0; 0.0 stands for off in the options."""
+def check_softcap(fn: str, softcap, off: str = "None") -> float:
+    """``softcap``: None (off) or a finite real > 0; 0.0 stands for off in the options. ``off``: what
+    turns it off in the entry point's own convention, for the messages."""
     if softcap is None:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"{fn}: softcap must be a real number > 0 or None, got {type(softcap).__name__}")
+        raise TypeError(f"{fn}: softcap must be a real number > 0 or {off} (off), got {type(softcap).__name__}")
     if not 0 < softcap < math.inf:  # comparisons: they also take torch.compile's symbolic floats
-        raise ValueError(f"{fn}: softcap must be finite and > 0 (None turns it off), got {softcap}")
+        raise ValueError(f"{fn}: softcap must be finite and > 0 ({off} turns it off), got {softcap}")
     return float(softcap)
 
 
