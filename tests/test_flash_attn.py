@@ -74,6 +74,7 @@ def test_packed_variants_and_their_gradients():
     (dict(window_size=(3,)), TypeError, r"window_size must be a \(left, right\) pair"),
     (dict(softcap=-30.0), ValueError, r"softcap must be finite and > 0 \(0.0 turns it off\)"),
     (dict(softcap="30"), TypeError, r"softcap must be a real number > 0 or 0.0 \(off\)"),
+    (dict(softcap=torch.ones(2)), TypeError, r"softcap must be a real number > 0 or 0.0 \(off\)"),
     (dict(dropout_p=1.5), ValueError, r"dropout_p must be a float in \[0, 1\]"),
     (dict(alibi_slopes=torch.ones(2)), ValueError, r"alibi_slopes must have shape \(4,\) or \(1, 4\)"),
     (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite"),

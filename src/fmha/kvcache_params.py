@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .params import (MAX_HEAD_DIM, SUPPORTED_DTYPES, check_alibi_slopes, check_cu_seqlens, check_flag, check_max_seqlen,
-                     check_scale, check_sinks, check_softcap, flash_window)
+                     check_scale, check_sinks, check_softcap, flash_softcap, flash_window)
 from .runtime import GRID_AXIS_LIMIT, INTERPRETED
 
 
@@ -96,7 +96,7 @@ def _cache(fn, q, k_cache, v_cache, block_table, batch, q_heads, head_dim, softc
     the score options. Returns those KVCacheParams fields."""
     if isinstance(softcap, bool):
         raise TypeError(f"{fn}: softcap must be a float (0.0: off), got bool")
-    softcap = check_softcap(fn, None if softcap == 0.0 else softcap, off="0.0")
+    softcap = check_softcap(fn, flash_softcap(fn, softcap))
     for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if name != "q":
             _tensor(fn, name, tensor, 4, "(batch, seqlen, heads, head_dim), or (pages, page_size, heads, head_dim) "

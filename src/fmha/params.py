@@ -245,16 +245,29 @@ def check_scale(fn: str, scale, head_dim: int, name: str = "scale") -> float:
     return float(scale)
 
 
-def check_flash_options(fn: str, softmax_scale, return_attn_probs, softcap) -> None:
+def check_flash_options(fn: str, softmax_scale, return_attn_probs, softcap):
     """The FlashAttention functions' own argument names and conventions, checked before fmha's
-    entry points (whose errors say ``scale``, and None for no softcap) see them; a float scale, a
-    bool flag and a float softcap cost three class tests."""
+    entry points (whose errors say ``scale``, and None for no softcap) see them. Returns the
+    softcap as those take it (:func:`flash_softcap`). A float scale, a bool flag and a float
+    softcap cost three class tests and no call."""
     if softmax_scale is not None and (softmax_scale.__class__ is not float or not is_finite(softmax_scale)):
         check_scale(fn, softmax_scale, 1, "softmax_scale")
     if return_attn_probs.__class__ is not bool:
         check_flag(fn, "return_attn_probs", return_attn_probs)
-    if softcap != 0.0 and (softcap.__class__ is not float or not 0.0 < softcap < math.inf):
-        check_softcap(fn, softcap, off="0.0")
+    if softcap.__class__ is float and (softcap == 0.0 or 0.0 < softcap < math.inf):
+        return softcap or None
+    return flash_softcap(fn, softcap)
+
+
+def flash_softcap(fn: str, softcap):
+    """FlashAttention's ``softcap``: 0.0 (or 0) turns it off, returned as fmha's None; else a finite
+    real > 0, returned as it is (a symbolic float under torch.compile stays symbolic)."""
+    if softcap.__class__ is float and (softcap == 0.0 or 0.0 < softcap < math.inf):
+        return softcap or None
+    if not isinstance(softcap, (bool, torch.Tensor)) and softcap == 0:
+        return None
+    check_softcap(fn, softcap, off="0.0")
+    return softcap
 
 
 def check_flag(fn: str, name: str, value) -> bool:
