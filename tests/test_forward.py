@@ -193,3 +193,56 @@ def test_a_repeated_call_signature_reuses_its_prepared_forward():
     assert len(dispatch._prepared) == 2
     with pytest.raises(TypeError, match="causal must be a bool"):
         fmha.attention(q, k, v, causal=1)  # same hash as True: still checked
+
+
+@pytest.mark.parametrize("kind", ["bhsd", "bshd", "packed"])
+def test_keys_expanded_over_heads_reach_the_hopper_forward_as_one_kv_head(monkeypatch, kind):
+    """The bulk copy engine takes no zero stride, so k and v expanded over their heads reach the
+    Hopper forward as one KV head (MQA). Here a stand-in for that backend, which refuses what TMA
+    cannot describe and runs the portable kernel, checks what it is given and the result."""
+    from fmha import dispatch
+    from fmha.backends.gluon_sm90.backend import HopperBackend
+    from fmha.backends.triton.backend import TritonBackend
+    from fmha.backends.triton.config import INTERPRETER_FORWARD_CONFIG
+
+    given = []
+
+    def refusal(self, params, q, k, v):
+        return None if all(map(tma_compatible, (q, k, v))) else "strides TMA cannot describe"
+
+    def prepare_forward(self, params, config, first_kv_head=False):
+        portable = TritonBackend().prepare_forward(params, INTERPRETER_FORWARD_CONFIG)
+
+        def run(q, k, v, *rest, **scores):
+            given.append((params.kv_heads, first_kv_head, k.shape[1], v.shape[1]))
+            portable(q, k[:, :1], v[:, :1], *rest, **scores)  # as the descriptors of the first head read them
+        return run
+
+    monkeypatch.setattr(HopperBackend, "refusal", refusal)
+    monkeypatch.setattr(HopperBackend, "forward_config", lambda self, params: ("stand-in", "test"))
+    monkeypatch.setattr(HopperBackend, "prepare_forward", prepare_forward)
+    dispatch.forget()
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 19, 16, generator=generator, dtype=torch.float16)
+    k1, v1 = (torch.randn(2, 1, 23, 16, generator=generator, dtype=torch.float16) for _ in range(2))
+    k, v = k1.expand(2, 4, 23, 16), v1.expand(2, 4, 23, 16)
+    if kind == "bshd":
+        q, k1, v1 = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k1, v1))
+        k, v = k1.expand(2, 4, 23, 16), v1.expand(2, 4, 23, 16)
+    try:
+        if kind == "packed":
+            cu_seqlens_q, cu_seqlens_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32) for n in (19, 23))
+            packed = [x.transpose(1, 2).reshape(-1, x.shape[1], 16) for x in (q, k1, v1)]
+            q_p, k_p, v_p = packed[0], packed[1].expand(-1, 4, -1), packed[2].expand(-1, 4, -1)
+            out = fmha.varlen_attention(q_p, k_p, v_p, cu_seqlens_q, cu_seqlens_k, 19, 23, causal=True)
+            out = out.reshape(2, 19, 4, 16).transpose(1, 2)
+        else:
+            assert k.stride(1) == 0 and fmha.explain(q, k, v, causal=True).backend == "gluon_sm90"
+            assert "read as one KV head" in fmha.explain(q, k, v, causal=True).source
+            distinct_v = v.contiguous()  # heads that may differ: not one KV head, and TMA refuses k
+            assert fmha.explain(q, k, distinct_v).backend == "triton"
+            out = fmha.attention(q, k, v, causal=True)
+    finally:
+        dispatch.forget()
+    assert given == [(1, True, 4, 4)]
+    assert_close_to_reference(out, q, k, v, causal_offset=4)

@@ -10,7 +10,7 @@ import torch
 
 import fmha
 
-from .helpers import assert_close_to_reference, random_qkv
+from .helpers import assert_close_to_reference, assert_grads_close, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -270,3 +270,41 @@ def test_hopper_turns_change_no_arithmetic(head_dim, schedule, features):
                                       config=fmha.HopperSchedule(**schedule, pingpong=pingpong)))
     (out_off, lse_off), (out_on, lse_on) = results
     assert torch.equal(out_on, out_off) and torch.equal(lse_on, lse_off)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "packed"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_keys_expanded_over_heads_run_the_hopper_forward_as_one_kv_head(head_dim, causal, layout):
+    """k and v expanded over their heads (stride 0, as in ``repeat_kv`` of an MQA model) run the
+    Hopper forward as one KV head: the output equals a call with that one head, bit for bit, and the
+    gradients (the portable backward, through the stride-0 views) match float64."""
+    batch, heads, seqlen_q, seqlen_k = 2, 8, 1536, 2048  # over the size the portable forward takes
+    generator = torch.Generator(device="cuda").manual_seed(head_dim + causal)
+    q, k1, v1 = random_qkv(batch, heads, 1, seqlen_q, seqlen_k, head_dim, torch.bfloat16, device="cuda",
+                           layout="bshd" if layout == "bshd" else "bhsd", generator=generator)
+    if layout == "packed":
+        cu_seqlens_q, cu_seqlens_k = (torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * n
+                                      for n in (seqlen_q, seqlen_k))
+        q_p, k_p, v_p = (x.transpose(1, 2).reshape(-1, x.shape[1], head_dim) for x in (q, k1, v1))
+        expanded = k_p.expand(-1, heads, -1), v_p.expand(-1, heads, -1)
+        outs = [fmha.varlen_attention(q_p, kk, vv, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, causal=causal)
+                for kk, vv in ((k_p, v_p), expanded)]
+        assert torch.equal(outs[0], outs[1])
+        out = outs[1].reshape(batch, seqlen_q, heads, head_dim).transpose(1, 2)
+        assert_close_to_reference(out, q, k1, v1, causal_offset=seqlen_k - seqlen_q if causal else None, atol=1e-5)
+        return
+    k, v = k1.expand(batch, heads, seqlen_k, head_dim), v1.expand(batch, heads, seqlen_k, head_dim)
+    explanation = fmha.explain(q, k, v, causal=causal)
+    assert explanation.backend == "gluon_sm90" and "one KV head" in explanation.source, str(explanation)
+    out, lse = fmha.attention(q, k, v, causal=causal, return_lse=True)
+    one_head = fmha.attention(q, k1, v1, causal=causal, return_lse=True)
+    assert torch.equal(out, one_head[0]) and torch.equal(lse, one_head[1])
+    assert_close_to_reference(out, q, k, v, causal_offset=seqlen_k - seqlen_q if causal else None, lse=lse,
+                              atol=1e-5)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fmha.attention(q, k, v, causal=causal)
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=generator)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_grads_close(grads, q.detach(), k.detach(), v.detach(), dout,
+                       causal_offset=seqlen_k - seqlen_q if causal else None, out=out.detach())

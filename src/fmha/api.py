@@ -6,7 +6,8 @@ Supported
   sinks=None, dropout_p=0.0, generator=None, return_lse=False, deterministic=False, config=None)``:
   q is (B, Hq, Sq, D), k and v are (B, Hkv, Sk, D), Hq % Hkv == 0 (MHA, GQA, MQA).
 * Any strides, including ``x.transpose(1, 2)`` of a BSHD tensor and stride 0 from
-  ``expand``; nothing is copied. The output has q's memory layout when q is dense. Any
+  ``expand``; nothing is copied. k and v expanded over their heads (one head repeated with
+  stride 0) run the Hopper forward as that one KV head (MQA). The output has q's memory layout when q is dense. Any
   batch x heads, and rows that span 2^31 elements or more within one (batch, head) (kernels
   built with 64-bit row offsets for those calls).
 * ``causal=True`` is bottom-right aligned as in FlashAttention: query i sees keys

@@ -13,6 +13,7 @@ repeated call costs a dictionary lookup, two allocations and a launch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -54,6 +55,12 @@ class Explanation:
             lines.append(f"backward: {self.backward}")
         lines += [f"not {name}: {reason}" for name, reason in self.refused.items()]
         return "\n".join(lines)
+
+
+def shares_one_kv_head(params: AttentionParams, k, v) -> bool:
+    """Whether k and v repeat one head over their kv_heads > 1 (stride 0 over heads, as from
+    ``expand``): the Hopper forward may read them as one KV head."""
+    return params.kv_heads > 1 and k.stride(1) == 0 and v.stride(1) == 0
 
 
 _warned_build_failures: set[str] = set()
@@ -110,14 +117,39 @@ class PreparedForward:
             self.explanation = Explanation("none", None, "empty input: nothing is launched")
             self.launch = None
         else:
-            self.explanation = choose_forward(params, q, k, v)
-            try:
-                self.launch = BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
-            except KernelBuildError as error:
-                if params.options.backend:  # asked for by name: say so rather than run something else
-                    raise ValueError(f"fmha: config= asks for the {params.options.backend} backend: {error}") from None
-                self.explanation = choose_forward(params, q, k, v, failed={self.explanation.backend: str(error)})
-                self.launch = BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
+            failed = {}
+            self.launch = self._one_kv_head_launch(params, q, k, v, failed) if shares_one_kv_head(params, k, v) else None
+            if self.launch is None:
+                self.explanation = choose_forward(params, q, k, v, failed)
+                self.launch = self._prepare(params, q, k, v)
+
+    def _prepare(self, params: AttentionParams, q, k, v):
+        try:
+            return BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
+        except KernelBuildError as error:
+            if params.options.backend:  # asked for by name: say so rather than run something else
+                raise ValueError(f"fmha: config= asks for the {params.options.backend} backend: {error}") from None
+            self.explanation = choose_forward(params, q, k, v, failed={self.explanation.backend: str(error)})
+            return BACKENDS[self.explanation.backend].prepare_forward(params, self.explanation.config)
+
+    def _one_kv_head_launch(self, params: AttentionParams, q, k, v, failed: dict[str, str]):
+        """The Hopper forward reading k and v, expanded over their heads with stride 0, as one KV
+        head (MQA): the bulk copy engine takes no zero stride. None where it would not run (a
+        kernel that fails to build is added to ``failed``)."""
+        one_head = dataclasses.replace(params, kv_heads=1)
+        try:
+            explanation = choose_forward(one_head, q, k[:, :1], v[:, :1])
+        except ValueError:  # an explicit config refuses it: the call's own parameters say why
+            return None
+        if explanation.backend != HOPPER_BACKEND.name:
+            return None
+        self.explanation = dataclasses.replace(
+            explanation, source=f"{explanation.source}; k and v, expanded over heads, read as one KV head")
+        try:
+            return HOPPER_BACKEND.prepare_forward(one_head, explanation.config, first_kv_head=True)
+        except KernelBuildError as error:
+            failed[HOPPER_BACKEND.name] = str(error)
+            return None
 
     def __call__(self, q, k, v, *seqlens, **scores) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``; ``out`` keeps q's layout (BSHD stays BSHD) when q is dense.

@@ -88,10 +88,12 @@ class HopperBackend:
             return HopperSchedule.from_ints(params.options.config), "explicit config="
         return lookup.hopper_schedule(params)
 
-    def prepare_forward(self, params: AttentionParams, schedule: HopperSchedule):
+    def prepare_forward(self, params: AttentionParams, schedule: HopperSchedule, first_kv_head: bool = False):
+        """``first_kv_head``: k and v will come expanded over their heads (stride 0) and are read as
+        ``params.kv_heads`` = 1 head (:class:`fmha.backends.gluon_sm90.launch.HopperForward`)."""
         from .launch import HopperForward
 
-        return HopperForward(params, schedule)
+        return HopperForward(params, schedule, first_kv_head)
 
     def backward_refusal(self, params: AttentionParams, *tensors: torch.Tensor,
                          attn_mask: torch.Tensor | None = None) -> str | None:

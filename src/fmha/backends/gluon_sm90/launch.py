@@ -46,6 +46,19 @@ class _HostDescriptor(HostDescriptor):
         tokens, heads, _ = tensor.stride()
         return cls(tensor, [1, tensor.shape[1], tensor.shape[0], tensor.shape[2]], [16, heads, tokens, 1])
 
+    @classmethod
+    def first_head(cls, tensor: torch.Tensor) -> "_HostDescriptor":
+        """The first head of a (B, H, S, D) tensor, as (B, 1, S, D) (the heads of k and v expanded
+        with stride 0 are one head)."""
+        batch, _, rows, dim = tensor.shape
+        shape = torch.Size((batch, 1, rows, dim))
+        return cls(tensor, list(shape), descriptor_strides(shape, tensor.stride()))
+
+    @classmethod
+    def first_head_packed(cls, tensor: torch.Tensor) -> "_HostDescriptor":
+        """The first head of a packed (total, H, D) tensor, as (1, 1, total, D)."""
+        return cls(tensor, [1, 1, tensor.shape[0], tensor.shape[2]], [16, 16, tensor.stride(0), 1])
+
 
 @dataclass(frozen=True)
 class ScoreFeatures:
@@ -285,11 +298,17 @@ class HopperForward:
     """
 
     __slots__ = ("schedule", "compiled", "grid", "integers", "scalars", "device", "tile_list", "varlen", "build",
-                 "mask_builds", "tile_counters")
+                 "mask_builds", "tile_counters", "kv_descriptor")
 
-    def __init__(self, params: AttentionParams, schedule: HopperSchedule):
+    def __init__(self, params: AttentionParams, schedule: HopperSchedule, first_kv_head: bool = False):
+        """``first_kv_head``: the calls pass k and v with more heads than ``params.kv_heads`` = 1, all
+        one head expanded with stride 0 (which the bulk copy engine cannot step); it reads the first."""
         has_left, has_right, lo, hi = window_bounds(params)
         self.schedule, self.device, self.varlen = schedule, params.device, params.varlen
+        if first_kv_head:
+            self.kv_descriptor = _HostDescriptor.first_head_packed if params.varlen else _HostDescriptor.first_head
+        else:
+            self.kv_descriptor = _HostDescriptor.packed if params.varlen else _HostDescriptor
         features = ScoreFeatures.forward_of(params)
         self.build = (params.device, params.dtype, tile_head_dim(params.head_dim), has_right, schedule,
                       left_bound(params, schedule), params.varlen, features, product_columns(params.head_dim))
@@ -321,12 +340,13 @@ class HopperForward:
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, scores=None):
         if self.varlen:
             tiles = self.tile_list(cu_seqlens_q)
-            descriptors = (_HostDescriptor.packed(q), _HostDescriptor.packed(k), _HostDescriptor.packed(v),
-                           _HostDescriptor.packed(out))
+            kv = self.kv_descriptor
+            descriptors = (_HostDescriptor.packed(q), kv(k), kv(v), _HostDescriptor.packed(out))
             strides = (lse.stride(0), out.stride(0), out.stride(1))
             sequences = (cu_seqlens_q, cu_seqlens_k, tiles)
         else:  # the sequence arguments are not read: any pointer and integer will do
-            descriptors = (_HostDescriptor(q), _HostDescriptor(k), _HostDescriptor(v), _HostDescriptor(out))
+            kv = self.kv_descriptor
+            descriptors = (_HostDescriptor(q), kv(k), kv(v), _HostDescriptor(out))
             strides = (0, 0, 0)
             sequences = (lse, lse, lse)
         alibi, sinks, score_strides = score_arguments(scores, lse)
