@@ -25,9 +25,15 @@ def window_of(seqlen_q, seqlen_k, left, right, causal):
     return Window.of(seqlen_q, seqlen_k, left=left, right=right)
 
 
-@pytest.mark.parametrize("implementation", ["attention", "naive_attention"])
+# The naive baseline masks every score of every tile (no tile is skipped): one shape covers its
+# window rule; the interpreter spends about 2.5 s a call on its one-row softmax programs.
+CASES = [(implementation, shape) for shape in SHAPES for implementation in ("attention", "naive_attention")
+         if implementation == "attention" or shape == SHAPES[0]]
+
+
 @pytest.mark.parametrize("left, right, causal", WINDOWS, ids=[f"left{l}-right{r}-causal{c}" for l, r, c in WINDOWS])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("implementation, shape", CASES, ids=lambda case: "x".join(map(str, case))
+                         if isinstance(case, tuple) else case)
 def test_forward_matches_float64(implementation, shape, left, right, causal):
     q, k, v = random_qkv(*shape, torch.float16)
     with torch.no_grad():
