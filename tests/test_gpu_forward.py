@@ -308,3 +308,19 @@ def test_keys_expanded_over_heads_run_the_hopper_forward_as_one_kv_head(head_dim
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert_grads_close(grads, q.detach(), k.detach(), v.detach(), dout,
                        causal_offset=seqlen_k - seqlen_q if causal else None, out=out.detach())
+
+
+@pytest.mark.parametrize("shapes", [((2, 8, 1536, 128), (2, 1, 2048, 128)), ((2, 8, 1536, 64), (1, 8, 2048, 64)),
+                                    ((3, 2, 4, 300, 64), (2, 1, 500, 64))], ids=str)
+def test_sdpa_broadcasts_leading_dims_gpu(shapes):
+    """SDPA's leading dims broadcast as in torch: one key/value head for every query head (the
+    Hopper forward's one KV head), a batch of one, and fewer dims."""
+    query_shape, key_shape = shapes
+    generator = torch.Generator(device="cuda").manual_seed(len(query_shape))
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+               for shape in (query_shape, key_shape, key_shape))
+    out = fmha.scaled_dot_product_attention(q, k, v, is_causal=True)
+    batch = torch.broadcast_shapes(query_shape[:-2], key_shape[:-2])
+    full = [x.expand(*batch, *x.shape[-2:]).reshape(-1, *x.shape[-2:]).unsqueeze(0) for x in (q, k, v)]
+    assert out.shape == (*batch, *query_shape[-2:])
+    assert_close_to_reference(out.reshape(full[0].shape), *full, causal_offset=0, atol=1e-5)

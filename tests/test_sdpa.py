@@ -74,3 +74,46 @@ def test_meta_tensors_give_shapes_and_gradients(entry):
     with torch.no_grad():
         out, lse = fmha.attention(q, k, v, return_lse=True)
     assert out.shape == q.shape and lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+
+
+# (query, key, value shapes, keywords): batch dims that broadcast either way, fewer dims, heads of
+# size 1 without enable_gqa (key and value both: one KV head; one of them: expanded), (N, L, E)
+# inputs whose N broadcasts, batch broadcast with grouped heads, and a padding mask beside it.
+BROADCASTS = [((2, 4, 8, 16), (1, 4, 9, 16), (1, 4, 9, 16), {}),
+              ((1, 4, 8, 16), (2, 4, 9, 16), (2, 4, 9, 16), {"is_causal": True}),
+              ((3, 2, 4, 8, 16), (1, 2, 4, 9, 16), (2, 4, 9, 16), {}),
+              ((2, 4, 8, 16), (2, 1, 9, 16), (2, 1, 9, 16), {}),
+              ((2, 1, 8, 16), (2, 4, 9, 16), (2, 4, 9, 16), {}),
+              ((2, 4, 8, 16), (2, 4, 9, 16), (2, 1, 9, 16), {}),
+              ((2, 8, 16), (1, 9, 16), (1, 9, 16), {}),
+              ((3, 2, 8, 8, 16), (1, 2, 2, 9, 16), (1, 2, 2, 9, 16), {"enable_gqa": True}),
+              ((2, 4, 8, 16), (1, 1, 9, 16), (1, 1, 9, 16), {"attn_mask": "padding"})]
+
+
+@pytest.mark.parametrize("shapes", BROADCASTS, ids=str)
+def test_leading_dims_broadcast_as_in_torch(shapes):
+    query_shape, key_shape, value_shape, keywords = shapes
+    generator = torch.Generator().manual_seed(len(query_shape) + query_shape[0])
+    q, k, v = (torch.randn(shape, generator=generator, dtype=torch.float64).float().requires_grad_()
+               for shape in (query_shape, key_shape, value_shape))
+    if keywords.get("attn_mask") == "padding":  # (B, 1, 1, S), as Hugging Face passes it
+        keywords = {"attn_mask": torch.arange(9).expand(2, 1, 1, 9) < torch.tensor([9, 5]).view(2, 1, 1, 1)}
+    out = fmha.scaled_dot_product_attention(q, k, v, **keywords)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = torch_sdpa(*(x.double() for x in (q, k, v)), **keywords)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=1e-5)
+    dout = torch.randn(out.shape, generator=generator)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), dout.double())
+    for got, want in zip(grads, expected_grads):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_leading_dims_that_do_not_broadcast_are_named():
+    q = torch.randn(2, 4, 8, 16)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        fmha.scaled_dot_product_attention(q, torch.randn(3, 4, 9, 16), torch.randn(3, 4, 9, 16))
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        fmha.scaled_dot_product_attention(q, torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16))

@@ -154,9 +154,9 @@ class TestSdpaEntryPoint:
         with pytest.raises(NotImplementedError, match=r"value head dim"):
             fmha.scaled_dot_product_attention(q, k, v)
 
-    def test_batch_broadcasting_not_implemented(self):
-        q, k, v = qkv(q_shape=(2, 4, 8, 16), k_shape=(1, 4, 8, 16))
-        with pytest.raises(NotImplementedError, match=r"broadcasting"):
+    def test_batch_dims_that_do_not_broadcast(self):
+        q, k, v = qkv(q_shape=(2, 4, 8, 16), k_shape=(3, 4, 8, 16))
+        with pytest.raises(ValueError, match=r"leading dims .* do not broadcast"):
             fmha.scaled_dot_product_attention(q, k, v)
 
     def test_too_few_dims(self):

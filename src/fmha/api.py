@@ -104,8 +104,7 @@ Not yet supported (raise ``NotImplementedError``)
 -------------------------------------------------
 * Gradients of ``naive_attention`` (a forward-only baseline).
 * Gradients of SDPA's ``attn_mask`` (a mask that requires grad).
-* In SDPA: a value head dim different from the query's, and batch dims that differ between query
-  and key/value (broadcasting).
+* In SDPA: a value head dim different from the query's.
 * Dropout and gradients over a paged cache (``block_table`` in ``flash_attn_varlen_func``), as in
   FlashAttention.
 * FP8.
@@ -318,13 +317,48 @@ def naive_attention(q, k, v, *, causal=False, scale=None, window=None, return_ls
     return (out, lse) if return_lse else out
 
 
+def _broadcasts(query_shape, key_shape, value_shape, enable_gqa) -> bool:
+    """Whether SDPA's inputs differ in leading dims (torch broadcasts them). Sizes are compared one
+    by one where they can be: slicing a torch.Size costs more than the rest of the check."""
+    if len(query_shape) == len(key_shape) == len(value_shape) == 4 and query_shape[0] == key_shape[0] == value_shape[0]:
+        heads = query_shape[1], key_shape[1], value_shape[1]
+    elif not query_shape[:-3] == key_shape[:-3] == value_shape[:-3]:
+        return True
+    else:
+        heads = query_shape[-3], key_shape[-3], value_shape[-3]
+    return not enable_gqa and not heads[0] == heads[1] == heads[2] and 1 in heads
+
+
+def _broadcast_sdpa_inputs(fn, query, key, value, enable_gqa):
+    """query, key and value expanded to common leading dims, as torch's SDPA broadcasts them (stride
+    0, nothing copied here). Without ``enable_gqa`` heads broadcast too, and key and value that both
+    have one head keep it: one KV head (MQA), for every query head."""
+    try:
+        if enable_gqa:  # heads are grouped, not broadcast
+            batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+            heads = (query.shape[-3], key.shape[-3], value.shape[-3])
+        else:
+            *batch, query_heads = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+            # (N, L, E) inputs: dim -3 is their batch, which broadcasts like any other
+            kv_heads = 1 if key.shape[-3] == value.shape[-3] == 1 and batch else query_heads
+            heads = (query_heads, kv_heads, kv_heads)
+    except RuntimeError:
+        raise ValueError(f"{fn}: the leading dims of query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} do not broadcast"
+                         + ("" if enable_gqa or query.shape[-3] == key.shape[-3]
+                            else " (for grouped-query attention pass enable_gqa=True)")) from None
+    return tuple(tensor.expand(*batch, tensor_heads, *tensor.shape[-2:])
+                 for tensor, tensor_heads in zip((query, key, value), heads))
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     Same semantics: inputs (..., H, L, E) or (N, L, E), ``is_causal`` aligned top-left
     (query i sees keys 0..i), ``scale`` default E**-0.5, ``enable_gqa`` to let query
-    heads be a multiple of key/value heads. ``attn_mask``: bool (True takes part) or float (added
+    heads be a multiple of key/value heads. Leading dims broadcast as in torch (stride-0 views:
+    batch dims, and heads of size 1 without ``enable_gqa``). ``attn_mask``: bool (True takes part) or float (added
     to the scores), float32 or the query's dtype, broadcastable to (..., H, L, S); it is read through
     its strides (stride 0 where it broadcasts: nothing is expanded in memory) and is not
     differentiated. A row that the mask hides entirely returns zeros, as torch's own kernels (2.5+) do.
@@ -345,13 +379,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if value.shape[-1] != query.shape[-1] and key.shape[-1] == query.shape[-1]:
         raise NotImplementedError(f"{fn}: a value head dim ({value.shape[-1]}) different from the query's "
                                   f"({query.shape[-1]}) is not supported yet")
-    if not (query.ndim == key.ndim == value.ndim):
-        raise ValueError(f"{fn}: query, key and value must have the same number of dims, "
-                         f"got {query.ndim}, {key.ndim} and {value.ndim}")
-    if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
-        raise NotImplementedError(f"{fn}: broadcasting batch dims is not supported yet; query has "
-                                  f"{tuple(query.shape[:-3])}, key {tuple(key.shape[:-3])}, "
-                                  f"value {tuple(value.shape[:-3])}")
+    grouped = enable_gqa
+    if _broadcasts(query.shape, key.shape, value.shape, enable_gqa):
+        query, key, value = _broadcast_sdpa_inputs(fn, query, key, value, enable_gqa)
+        grouped = True  # key and value heads that broadcast stay one KV head
     if query.ndim == 3:
         q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
     elif query.ndim == 4:
@@ -368,7 +399,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                       "(detach it, or use torch's SDPA)")
     params = attention_params(fn, q, k, v, causal=is_causal, scale=scale, dropout_p=dropout_p, top_left=True,
                               names=names, attn_mask_kind=mask_kind)
-    if q.shape[1] != k.shape[1] and not enable_gqa:
+    if q.shape[1] != k.shape[1] and not grouped:
         raise ValueError(f"{fn}: query has {q.shape[1]} heads and key {k.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")
     rng_state = ops.dropout_seed(None, q.device) if params.options.dropout_p > 0.0 else None
