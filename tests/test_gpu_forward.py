@@ -311,7 +311,8 @@ def test_keys_expanded_over_heads_run_the_hopper_forward_as_one_kv_head(head_dim
 
 
 @pytest.mark.parametrize("shapes", [((2, 8, 1536, 128), (2, 1, 2048, 128)), ((2, 8, 1536, 64), (1, 8, 2048, 64)),
-                                    ((3, 2, 4, 300, 64), (2, 1, 500, 64))], ids=str)
+                                    ((3, 2, 4, 300, 64), (2, 1, 500, 64))],
+                         ids=lambda shapes: "-".join("x".join(map(str, shape)) for shape in shapes))
 def test_sdpa_broadcasts_leading_dims_gpu(shapes):
     """SDPA's leading dims broadcast as in torch: one key/value head for every query head (the
     Hopper forward's one KV head), a batch of one, and fewer dims."""
