@@ -72,9 +72,10 @@ def random_call(rng, torch, fmha, device):
         if not kwargs["is_causal"] and rng.random() < 0.6:
             kwargs["attn_mask"] = (torch.rand(seqlen_q, seqlen_k, device=device) < 0.7 if rng.random() < 0.5
                                    else randn(batch, 1, seqlen_q, seqlen_k))
+        kv_batch = 1 if rng.random() < 0.25 else batch  # a key/value batch of one broadcasts, as in torch
         return kind, fmha.scaled_dot_product_attention, (randn(batch, q_heads, seqlen_q, head_dim),
-                                                        randn(batch, kv_heads, seqlen_k, head_dim),
-                                                        randn(batch, kv_heads, seqlen_k, head_dim)), kwargs
+                                                        randn(kv_batch, kv_heads, seqlen_k, head_dim),
+                                                        randn(kv_batch, kv_heads, seqlen_k, head_dim)), kwargs
     if kind == "flash":
         kwargs = dict(causal=rng.random() < 0.5, window_size=rng.choice([(-1, -1), (3, 0), (2, 2)]),
                       softcap=rng.choice([0.0, 15.0]), return_attn_probs=rng.random() < 0.5)

@@ -340,7 +340,11 @@ def draw_sdpa(rng):
                 mask_shape=[rng.choice([1, batch]), rng.choice([1, kv_heads * group]), rng.choice([1, seqlen_q]),
                             seqlen_k],
                 mask_dtype=rng.choice(["bool", "float32", "same"]), expand=rng.random() < 0.3,
-                is_causal=rng.random() < 0.2)
+                is_causal=rng.random() < 0.2,
+                # leading dims that broadcast, as torch's SDPA takes them: a key/value batch of one,
+                # and one key/value head for every query head without enable_gqa
+                kv_batch=1 if rng.random() < 0.25 else batch,
+                broadcast_heads=kv_heads == 1 and group > 1 and rng.random() < 0.5)
 
 
 def run_sdpa(case):
@@ -350,6 +354,8 @@ def run_sdpa(case):
     generator = torch.Generator(device=DEVICE).manual_seed(case["seed"])
     q, k, v = random_qkv(case["batch"], case["q_heads"], case["kv_heads"], case["seqlen_q"], case["seqlen_k"],
                          case["head_dim"], dtype, device=DEVICE, generator=generator)
+    kv_batch = case.get("kv_batch", case["batch"])
+    k, v = k[:kv_batch], v[:kv_batch]
     shape = case["mask_shape"]
     if case["mask_dtype"] == "bool":
         mask = torch.rand(shape, device=DEVICE, generator=generator) < 0.8
@@ -360,7 +366,7 @@ def run_sdpa(case):
         mask = mask.expand(case["batch"], case["q_heads"], case["seqlen_q"], case["seqlen_k"])
     if case["is_causal"]:
         mask = None
-    gqa = case["kv_heads"] != case["q_heads"]
+    gqa = case["kv_heads"] != case["q_heads"] and not case.get("broadcast_heads")
     got = fmha.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case["is_causal"], enable_gqa=gqa)
     ref_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=ref_mask,
