@@ -7,9 +7,9 @@ Supported
   q is (B, Hq, Sq, D), k and v are (B, Hkv, Sk, D), Hq % Hkv == 0 (MHA, GQA, MQA).
 * Any strides, including ``x.transpose(1, 2)`` of a BSHD tensor and stride 0 from
   ``expand``; nothing is copied. k and v expanded over their heads (one head repeated with
-  stride 0) run the Hopper forward as that one KV head (MQA). The output has q's memory layout when q is dense. Any
-  batch x heads, and rows that span 2^31 elements or more within one (batch, head) (kernels
-  built with 64-bit row offsets for those calls).
+  stride 0) run the Hopper forward as that one KV head (MQA). The output has q's memory layout
+  when q is dense. Any batch x heads, and rows that span 2^31 elements or more within one
+  (batch, head) (kernels built with 64-bit row offsets for those calls).
 * ``causal=True`` is bottom-right aligned as in FlashAttention: query i sees keys
   j <= i + Sk - Sq. A row that sees no key returns zeros and LSE = -inf.
 * ``window=(left, right)``: query i sees keys pos(i) - left <= j <= pos(i) + right with
@@ -358,9 +358,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Same semantics: inputs (..., H, L, E) or (N, L, E), ``is_causal`` aligned top-left
     (query i sees keys 0..i), ``scale`` default E**-0.5, ``enable_gqa`` to let query
     heads be a multiple of key/value heads. Leading dims broadcast as in torch (stride-0 views:
-    batch dims, and heads of size 1 without ``enable_gqa``). ``attn_mask``: bool (True takes part) or float (added
-    to the scores), float32 or the query's dtype, broadcastable to (..., H, L, S); it is read through
-    its strides (stride 0 where it broadcasts: nothing is expanded in memory) and is not
+    batch dims, and heads of size 1 without ``enable_gqa``). ``attn_mask``: bool (True takes part)
+    or float (added to the scores), float32 or the query's dtype, broadcastable to (..., H, L, S);
+    it is read through its strides (stride 0 where it broadcasts: nothing is expanded in memory) and is not
     differentiated. A row that the mask hides entirely returns zeros, as torch's own kernels (2.5+) do.
     ``dropout_p`` draws from torch's default generator of the device. Unsupported arguments raise
     NotImplementedError.

@@ -338,14 +338,13 @@ class HopperForward:
                          *features.dropout_scalars(params.options), num_tiles, *constants)
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, scores=None):
+        kv = self.kv_descriptor
         if self.varlen:
             tiles = self.tile_list(cu_seqlens_q)
-            kv = self.kv_descriptor
             descriptors = (_HostDescriptor.packed(q), kv(k), kv(v), _HostDescriptor.packed(out))
             strides = (lse.stride(0), out.stride(0), out.stride(1))
             sequences = (cu_seqlens_q, cu_seqlens_k, tiles)
         else:  # the sequence arguments are not read: any pointer and integer will do
-            kv = self.kv_descriptor
             descriptors = (_HostDescriptor(q), kv(k), kv(v), _HostDescriptor(out))
             strides = (0, 0, 0)
             sequences = (lse, lse, lse)
