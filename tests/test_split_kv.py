@@ -17,7 +17,7 @@ pytestmark = pytest.mark.interpreter
 
 def run_split_kv(q, k, v, config, *, left=None, right=None, top_left=False):
     options = AttentionOptions(scale=q.shape[-1] ** -0.5, window_left=left, window_right=right, top_left=top_left)
-    params = AttentionParams.of(q, k, options)
+    params = AttentionParams.of(q, k, v, options)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"))
     SplitKVForward(params, config)(q, k, v, out, lse)
@@ -83,7 +83,7 @@ def test_the_plan_only_takes_underfilled_decode_grids():
     def params(batch, q_heads, kv_heads, seqlen_q, seqlen_k):
         q = torch.empty(batch, q_heads, seqlen_q, 128).expand(batch, q_heads, seqlen_q, 128)
         k = torch.empty(batch, kv_heads, seqlen_k, 128)
-        return AttentionParams.of(q, k, AttentionOptions(scale=1.0))
+        return AttentionParams.of(q, k, k, AttentionOptions(scale=1.0))
 
     decode = split_kv_config(params(1, 32, 8, 1, 4096), 132)
     assert decode is not None and decode.block_m == 16 and decode.splits == 16  # a program per multiprocessor

@@ -22,6 +22,8 @@ ENTRY_POINTS = [fmha.attention, fmha.naive_attention]
     (dict(k_shape=(1, 3, 8, 16)), ValueError, r"multiple of the number of key/value heads"),
     (dict(k_shape=(1, 2, 8, 32)), ValueError, r"head dim mismatch"),
     (dict(q_shape=(1, 4, 8, 320), k_shape=(1, 2, 8, 320)), ValueError, r"head dim .* between 1 and 256"),
+    (dict(v_shape=(1, 2, 8, 300)), ValueError, r"value head dim \(last dim of v\) must be between 1 and 256"),
+    (dict(v_shape=(1, 2, 8, 0)), ValueError, r"v 0 \(their last dims\)"),
     (dict(v_shape=(1, 2, 9, 16)), ValueError, r"k and v must have the same sequence length"),
     (dict(v_shape=(1, 1, 8, 16)), ValueError, r"k and v must have the same number of heads"),
     (dict(k_shape=(2, 2, 8, 16)), ValueError, r"batch sizes differ"),
@@ -149,9 +151,9 @@ class TestSdpaEntryPoint:
         with pytest.raises(ValueError, match=r"enable_gqa=True"):
             fmha.scaled_dot_product_attention(q, k, v)
 
-    def test_value_head_dim_not_implemented(self):
-        q, k, v = qkv(k_shape=(1, 4, 8, 16), v_shape=(1, 4, 8, 32))
-        with pytest.raises(NotImplementedError, match=r"value head dim"):
+    def test_value_head_dim_out_of_range(self):
+        q, k, v = qkv(k_shape=(1, 4, 8, 16), v_shape=(1, 4, 8, 512))
+        with pytest.raises(ValueError, match=r"value head dim \(last dim of value\)"):
             fmha.scaled_dot_product_attention(q, k, v)
 
     def test_batch_dims_that_do_not_broadcast(self):

@@ -74,7 +74,11 @@ Supported
   with load balancing set from ``causal``), ``unshard``, and ``attention`` (the ring on local
   shards, also on CPU tensors with gloo). No sliding windows or varlen there: PyTorch's ring has neither.
 * dtypes float16 and bfloat16; float32 as a slow exact path.
-* Head dims 1 to 256, including non-powers of two (40, 80, 96, 192...).
+* Head dims 1 to 256, including non-powers of two (40, 80, 96, 192...). v's head dim may differ
+  from q's and k's (DeepSeek's MLA: 192 and 128) in ``attention``, ``varlen_attention``,
+  ``scaled_dot_product_attention`` (as torch's) and ``flash_attn_func`` / ``flash_attn_varlen_func``
+  (as FlashAttention-3's): the output takes v's; forward and backward, with every feature above,
+  on the portable kernels (the Gluon kernels and the KV-cache functions need one head dim).
 * Any Sq, Sk >= 1; empty batch, heads or sequences return empty (or zero) results, as torch's
   SDPA does (also through ``scaled_dot_product_attention`` with 3-D to 5-D inputs).
 * CUDA tensors, and CPU tensors when ``TRITON_INTERPRET=1`` was set before import
@@ -104,7 +108,6 @@ Not yet supported (raise ``NotImplementedError``)
 -------------------------------------------------
 * Gradients of ``naive_attention`` (a forward-only baseline).
 * Gradients of SDPA's ``attn_mask`` (a mask that requires grad).
-* In SDPA: a value head dim different from the query's.
 * Dropout and gradients over a paged cache (``block_table`` in ``flash_attn_varlen_func``), as in
   FlashAttention.
 * FP8.
@@ -146,7 +149,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
 
     Args:
         q: (B, Hq, Sq, D) float16, bfloat16 or float32, any strides.
-        k, v: (B, Hkv, Sk, D), same dtype and device, Hq % Hkv == 0.
+        k, v: (B, Hkv, Sk, D) and (B, Hkv, Sk, Dv), same dtype and device, Hq % Hkv == 0. v's head
+            dim may differ from q's and k's (DeepSeek's MLA: D = 192, Dv = 128); the output has Dv.
         causal: bottom-right aligned causal mask (query i sees keys j <= i + Sk - Sq).
         scale: score scale, default D**-0.5.
         window: ``(left, right)`` key window around each query's position ``i + Sk - Sq``;
@@ -171,7 +175,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
             for this GPU and shape. A config whose kernel cannot run the call raises ValueError.
 
     Returns:
-        out (B, Hq, Sq, D) in q's dtype, or ``(out, lse)`` when ``return_lse``.
+        out (B, Hq, Sq, Dv) in q's dtype, or ``(out, lse)`` when ``return_lse``.
     """
     if return_lse.__class__ is not bool:
         check_flag("fmha.attention", "return_lse", return_lse)
@@ -217,7 +221,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Args:
         q: (total_q, Hq, D); sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``.
-        k, v: (total_k, Hkv, D), cut by ``cu_seqlens_k``; Hq % Hkv == 0.
+        k, v: (total_k, Hkv, D) and (total_k, Hkv, Dv), cut by ``cu_seqlens_k``; Hq % Hkv == 0.
         cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on q's device, starting at 0, ending at the totals.
             Their values are read on the device and not checked there (that would cost a
             synchronisation); sequences are clamped into the tensors, so nothing outside them is
@@ -228,7 +232,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             are (Hq,) or (B, Hq) with B the number of sequences, each query at ``i + Sk_b - Sq_b``.
 
     Returns:
-        out (total_q, Hq, D), or ``(out, lse)`` with lse (Hq, total_q) float32 when ``return_lse``.
+        out (total_q, Hq, Dv), or ``(out, lse)`` with lse (Hq, total_q) float32 when ``return_lse``.
     """
     return packed_attention("fmha.varlen_attention", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, causal=causal, scale=scale, window=window, softcap=softcap,
@@ -294,10 +298,16 @@ def explain(q, k, v, **kwargs) -> dispatch.Explanation:
     backward, source = dispatch.BACKWARD_BACKEND.backward_config(params)
     portable = f"triton {backward} (from {source})"
     if params.device.type == "cuda":
+        padding = ""
+        if params.head_dim_v:  # the Gluon backward runs it with every tensor padded to one head dim
+            params = dispatch.one_head_dim_params(params)
+            q, k = (torch.empty((*t.shape[:-1], params.head_dim), dtype=t.dtype, device=t.device) for t in (q, k))
+            v = k
+            padding = f" (v, the output and the gradients zero-padded to head dim {params.head_dim})"
         # The gradients are allocated like q, k and v, and dout like the output.
         hopper, reason = dispatch.hopper_backward(params, q, q, k, v, q, k, v)
         if hopper is not None:
-            return dataclasses.replace(explanation, backward=f"gluon_sm90 {hopper.text()}")
+            return dataclasses.replace(explanation, backward=f"gluon_sm90 {hopper.text()}{padding}")
         portable += f"; not gluon_sm90: {reason}"
     return dataclasses.replace(explanation, backward=portable)
 
@@ -376,9 +386,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None and is_causal:
         raise ValueError(f"{fn}: give attn_mask or is_causal=True, not both (as torch's SDPA)")
     enable_gqa = check_flag(fn, "enable_gqa", enable_gqa)
-    if value.shape[-1] != query.shape[-1] and key.shape[-1] == query.shape[-1]:
-        raise NotImplementedError(f"{fn}: a value head dim ({value.shape[-1]}) different from the query's "
-                                  f"({query.shape[-1]}) is not supported yet")
     grouped = enable_gqa
     if _broadcasts(query.shape, key.shape, value.shape, enable_gqa):
         query, key, value = _broadcast_sdpa_inputs(fn, query, key, value, enable_gqa)
@@ -404,4 +411,4 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          "pass enable_gqa=True for grouped-query attention")
     rng_state = ops.dropout_seed(None, q.device) if params.options.dropout_p > 0.0 else None
     out, _ = ops.forward(q, k, v, params, ops.score_tensors(None, None, attn_mask, rng_state))
-    return out.reshape(query.shape) if query.ndim != 4 else out
+    return out.reshape(*query.shape[:-1], out.shape[-1]) if query.ndim != 4 else out

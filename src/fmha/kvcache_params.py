@@ -118,6 +118,10 @@ def _cache(fn, q, k_cache, v_cache, block_table, batch, q_heads, head_dim, softc
     _on_device(fn, "v_cache", v_cache, device)
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head dim (last dim of q) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if v_cache.shape[:3] == k_cache.shape[:3] and v_cache.shape[3] != k_cache.shape[3]:
+        raise NotImplementedError(f"{fn}: v_cache's head dim ({v_cache.shape[3]}) differs from k_cache's "
+                                  f"({k_cache.shape[3]}): the KV-cache kernels take one head dim (fmha.attention "
+                                  "and flash_attn_varlen_func without a block_table take two)")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"{fn}: k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")

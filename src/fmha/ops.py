@@ -52,7 +52,7 @@ def _launch_forward(prepared, q, k, v, scores: ScoreTensors, *seqlens):
 
 
 def run_forward(q, k, v, options: AttentionOptions, scores: ScoreTensors = NO_SCORE_TENSORS):
-    params = AttentionParams.of(q, k, options)
+    params = AttentionParams.of(q, k, v, options)
     return _launch_forward(dispatch.prepared_forward(params, q, k, v), q, k, v, scores)
 
 
@@ -62,7 +62,7 @@ def _forward(q, k, v, alibi_slopes, sinks, attn_mask, rng_state, *options):
 
 
 def _forward_fake(q, k, v, alibi_slopes, sinks, attn_mask, rng_state, *options):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return dispatch.empty_output(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state, seqlens=()):
@@ -78,7 +78,7 @@ def _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mas
 
 
 def _backward_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state, *options):
-    params = AttentionParams.of(q, k, AttentionOptions.from_op_args(*options))
+    params = AttentionParams.of(q, k, v, AttentionOptions.from_op_args(*options))
     return _op_grads(_run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state))
 
 
@@ -189,7 +189,7 @@ def forward(q, k, v, params: AttentionParams, scores: ScoreTensors = NO_SCORE_TE
 
 def run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        options: AttentionOptions, scores: ScoreTensors = NO_SCORE_TENSORS):
-    params = AttentionParams.packed(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, options)
+    params = AttentionParams.packed(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, options)
     prepared = dispatch.prepared_forward(params, q, k, v, cu_seqlens_q, cu_seqlens_k)
     return _launch_forward(prepared, q, k, v, scores, cu_seqlens_q, cu_seqlens_k)
 
@@ -203,12 +203,12 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, sinks,
                          attn_mask, rng_state, *options):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return dispatch.empty_output(q, v.shape[-1]), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _varlen_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           alibi_slopes, sinks, attn_mask, rng_state, *options):
-    params = AttentionParams.packed(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+    params = AttentionParams.packed(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                     AttentionOptions.from_op_args(*options))
     return _op_grads(_run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state,
                                    seqlens=(cu_seqlens_q, cu_seqlens_k)))

@@ -95,7 +95,8 @@ def options_schema() -> str:
 
 @dataclass(frozen=True, slots=True)
 class AttentionParams:
-    """A validated call: q is (batch, q_heads, seqlen_q, head_dim), k and v (batch, kv_heads, seqlen_k, head_dim).
+    """A validated call: q is (batch, q_heads, seqlen_q, head_dim), k (batch, kv_heads, seqlen_k, head_dim)
+    and v (batch, kv_heads, seqlen_k, value_head_dim); the output has v's head dim.
 
     Packed sequences (``options.layout == "varlen"``): q is (total_q, q_heads, head_dim), k and v
     (total_k, kv_heads, head_dim), ``batch`` sequences cut by ``cu_seqlens``; seqlen_q and
@@ -113,6 +114,13 @@ class AttentionParams:
     options: AttentionOptions
     total_q: int = 0
     total_k: int = 0
+    # v's head dim, and the output's, where it differs from q's and k's (DeepSeek's MLA: 192 and
+    # 128); 0 where they are the same, as in most calls.
+    head_dim_v: int = 0
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim_v or self.head_dim
 
     @property
     def varlen(self) -> bool:
@@ -148,17 +156,21 @@ class AttentionParams:
         return (self.batch, self.q_heads, self.seqlen_q)
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, options: AttentionOptions) -> "AttentionParams":
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> "AttentionParams":
         batch, q_heads, seqlen_q, head_dim = q.shape
-        return cls(batch, q_heads, k.shape[1], seqlen_q, k.shape[2], head_dim, q.dtype, q.device, options)
+        head_dim_v = v.shape[3]
+        return cls(batch, q_heads, k.shape[1], seqlen_q, k.shape[2], head_dim, q.dtype, q.device, options,
+                   head_dim_v=0 if head_dim_v == head_dim else head_dim_v)
 
     @classmethod
-    def packed(cls, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+    def packed(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int, options: AttentionOptions) -> "AttentionParams":
-        """Packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), ``options.layout == "varlen"``."""
+        """Packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv),
+        ``options.layout == "varlen"``."""
         total_q, q_heads, head_dim = q.shape
+        head_dim_v = v.shape[2]
         return cls(cu_seqlens_q.shape[0] - 1, q_heads, k.shape[1], max_seqlen_q, max_seqlen_k, head_dim, q.dtype,
-                   q.device, options, total_q, k.shape[0])
+                   q.device, options, total_q, k.shape[0], 0 if head_dim_v == head_dim else head_dim_v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,14 +224,18 @@ def check_qkv(fn: str, q, k, v, names=("q", "k", "v")) -> None:
     if num_kv_heads == 0 and num_q_heads != 0 or num_kv_heads and num_q_heads % num_kv_heads:
         raise ValueError(f"{fn}: the number of query heads ({num_q_heads}, in {qn}) must be a multiple "
                          f"of the number of key/value heads ({num_kv_heads}, in {kn})")
-    head_dim = q.shape[3]
-    if k.shape[3] != head_dim or v.shape[3] != head_dim:
-        raise ValueError(f"{fn}: head dim mismatch: {qn} has {head_dim}, {kn} {k.shape[3]}, {vn} {v.shape[3]}")
-    if head_dim == 0:
-        raise ValueError(f"{fn}: {qn}, {kn} and {vn} have head dim 0 (their last dim); attention needs at least "
-                         "one feature per head")
+    head_dim, head_dim_v = q.shape[3], v.shape[3]
+    if k.shape[3] != head_dim:
+        raise ValueError(f"{fn}: head dim mismatch: {qn} has {head_dim} and {kn} {k.shape[3]} (they must match; "
+                         f"{vn}'s may differ)")
+    if head_dim == 0 or head_dim_v == 0:
+        raise ValueError(f"{fn}: {qn} and {kn} have head dim {head_dim} and {vn} {head_dim_v} (their last dims); "
+                         "attention needs at least one feature per head")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head dim (last dim of {qn}) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    if not 1 <= head_dim_v <= MAX_HEAD_DIM:
+        raise ValueError(f"{fn}: value head dim (last dim of {vn}) must be between 1 and {MAX_HEAD_DIM}, "
+                         f"got {head_dim_v}")
     if q.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(f"{fn}: {qn} is a CPU tensor, and fmha's kernels run on the GPU. To run them on "
                            "the CPU through Triton's interpreter, set TRITON_INTERPRET=1 before importing "
@@ -428,7 +444,7 @@ def attention_params(fn: str, q, k, v, *, causal=False, scale=None, window=None,
         has_sinks=check_sinks(fn, sinks, q_heads, q.device), attn_mask_kind=attn_mask_kind,
         dropout_p=check_dropout(fn, dropout_p), deterministic=deterministic, **_explicit(fn, config, backend))
     check_generator(fn, generator, q.device)
-    return AttentionParams.of(q, k, options)
+    return AttentionParams.of(q, k, v, options)
 
 
 def _explicit(fn: str, config, backend: str) -> dict:
@@ -495,7 +511,7 @@ def varlen_params(fn: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         has_sinks=check_sinks(fn, sinks, q_heads, q.device), dropout_p=check_dropout(fn, dropout_p),
         deterministic=deterministic)
     check_generator(fn, generator, q.device)
-    return AttentionParams.packed(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, options)
+    return AttentionParams.packed(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, options)
 
 
 # The annotations above are strings (``from __future__ import annotations``); the schema map reads them.

@@ -29,18 +29,20 @@ CUDA_GRAPH_THRESHOLD_MS = 0.2
 
 
 def random_qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, device="cpu",
-               layout="bhsd", generator=None, requires_grad=False):
-    """Fresh normal inputs; ``layout='bshd'`` returns transposed views of BSHD storage."""
+               layout="bhsd", generator=None, requires_grad=False, head_dim_v=None):
+    """Fresh normal inputs; ``layout='bshd'`` returns transposed views of BSHD storage. v has
+    ``head_dim_v`` features a head where given, else ``head_dim``."""
 
-    def make(heads, seqlen):
+    def make(heads, seqlen, features):
         if layout == "bshd":
-            tensor = torch.randn(batch, seqlen, heads, head_dim, dtype=dtype, device=device,
+            tensor = torch.randn(batch, seqlen, heads, features, dtype=dtype, device=device,
                                  generator=generator).transpose(1, 2)
         else:
-            tensor = torch.randn(batch, heads, seqlen, head_dim, dtype=dtype, device=device, generator=generator)
+            tensor = torch.randn(batch, heads, seqlen, features, dtype=dtype, device=device, generator=generator)
         return tensor.requires_grad_(requires_grad)
 
-    return make(q_heads, seqlen_q), make(kv_heads, seqlen_k), make(kv_heads, seqlen_k)
+    return (make(q_heads, seqlen_q, head_dim), make(kv_heads, seqlen_k, head_dim),
+            make(kv_heads, seqlen_k, head_dim if head_dim_v is None else head_dim_v))
 
 
 def half_ulp(value: float, dtype: torch.dtype) -> float:
@@ -79,7 +81,7 @@ def assert_close_to_reference(out, q, k, v, *, causal_offset=None, window=None, 
     ``roundings``: half-units in the last place of the largest output that ``atol`` allows by default
     (1: the output's own rounding; a kernel that rounds once more documents why it passes 2).
     """
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     assert not torch.isnan(out).any(), "output contains NaN (unwritten or invalid elements)"
     window = window_of(causal_offset, window)
     ref, ref_lse = dense_attention(q, k, v, scale=scale, window=window, **scores)

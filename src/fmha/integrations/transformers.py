@@ -248,7 +248,7 @@ def _packed(query, key, value, first, stop, scale, left, scores):
     """Causal attention of each sequence's run of tokens ``[first, stop)`` (queries and keys at
     the same positions) through fmha.varlen_attention; padded rows get zeros. Two host syncs
     (the packed sizes), as FlashAttention's unpadding."""
-    batch, q_heads, seqlen, head_dim = query.shape
+    batch, q_heads, seqlen, _ = query.shape
     positions = torch.arange(seqlen, device=query.device)
     real = ((positions >= first[:, None]) & (positions < stop[:, None])).flatten()
     index = real.nonzero().squeeze(1)
@@ -257,12 +257,13 @@ def _packed(query, key, value, first, stop, scale, left, scores):
     longest = int(lengths.max())
 
     def packed(x):  # (B, H, S, D) -> (tokens, H, D)
-        return x.transpose(1, 2).reshape(batch * seqlen, x.shape[1], head_dim).index_select(0, index)
+        return x.transpose(1, 2).reshape(batch * seqlen, x.shape[1], x.shape[3]).index_select(0, index)
 
     out = varlen_attention(packed(query), packed(key), packed(value), cu_seqlens, cu_seqlens, longest, longest,
                            causal=True, scale=scale, window=None if left is None else (left, None), **scores)
-    full = out.new_zeros(batch * seqlen, q_heads, head_dim).index_copy(0, index, out)
-    return full.view(batch, seqlen, q_heads, head_dim)
+    head_dim_v = out.shape[-1]  # v's head dim, which may differ from q's
+    full = out.new_zeros(batch * seqlen, q_heads, head_dim_v).index_copy(0, index, out)
+    return full.view(batch, seqlen, q_heads, head_dim_v)
 
 
 def _sdpa(query, key, value, mask, scale, dropout, is_causal, left):

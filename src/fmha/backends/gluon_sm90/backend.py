@@ -9,7 +9,7 @@ import torch
 from ...params import AttentionParams
 from ...runtime import INTERPRETED, compute_capability
 from ...tuning import lookup
-from .schedule import HopperSchedule, head_dim_refusal, tile_head_dim
+from .schedule import HopperSchedule, head_dim_refusal, product_columns, tile_head_dim
 
 WIDE_TILE_HEAD_DIM = 256  # the backward's widest tiles: backward_wide.py
 
@@ -49,6 +49,25 @@ def attn_mask_refusal(attn_mask: torch.Tensor | None) -> str | None:
     return None
 
 
+def value_head_dim_refusal(params: AttentionParams, backward: bool = False) -> str | None:
+    """Why a Gluon kernel cannot take v's head dim (None: it can). The forward reads V and writes
+    the output through descriptors of their own width: the bulk copies zero-fill V's columns past
+    it and leave the output's out, so a value head dim within the columns the products read at q's
+    head dim runs as it is. The backward takes one head dim."""
+    head_dim_v = params.head_dim_v
+    if not head_dim_v:
+        return None
+    differs = f"v's head dim ({head_dim_v}) differs from q's and k's ({params.head_dim})"
+    if backward:
+        return f"{differs}: the Gluon backward takes one head dim"
+    if head_dim_v % 8:
+        return f"{differs} and is not a multiple of 8 (the bulk copies step rows in 16-byte multiples)"
+    columns = product_columns(params.head_dim)
+    if columns is not None and head_dim_v > columns:
+        return f"{differs} and is wider than the {columns} columns the products read at q's"
+    return None
+
+
 class HopperBackend:
     name = "gluon_sm90"
     description = "warp-specialised Gluon kernels for sm_90 (TMA, wgmma)"
@@ -67,7 +86,7 @@ class HopperBackend:
             return f"needs sm_90 (Hopper); this GPU is sm_{major}{minor}"
         if params.dtype not in (torch.float16, torch.bfloat16):
             return f"needs float16 or bfloat16, got {params.dtype}"
-        reason = head_dim_refusal(params.head_dim)
+        reason = head_dim_refusal(params.head_dim) or value_head_dim_refusal(params)
         if reason is not None:
             return reason
         if options.scale <= 0:
@@ -107,7 +126,7 @@ class HopperBackend:
             return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
-        reason = head_dim_refusal(params.head_dim)
+        reason = head_dim_refusal(params.head_dim) or value_head_dim_refusal(params, backward=True)
         if reason is not None:
             return reason
         reason = attn_mask_refusal(attn_mask) or self.refusal(params, *tensors[1:4])

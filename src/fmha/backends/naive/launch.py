@@ -24,10 +24,11 @@ def launch_naive(q, k, v, out, lse, params: AttentionParams) -> list:
     batch, num_q_heads, seqlen_q, head_dim = q.shape
     num_kv_heads, seqlen_k = k.shape[1], k.shape[2]
     group_size = num_q_heads // num_kv_heads
-    block_d = padded_head_dim(head_dim)
+    head_dim_v = v.shape[3]
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     has_left, has_right, lo, hi = window_bounds(params)
     # Wide head dims would not fit a 64x64 tile per operand in shared memory.
-    block = NAIVE_BLOCK if block_d <= 128 else min(NAIVE_BLOCK, 32)
+    block = NAIVE_BLOCK if max(block_d, block_dv) <= 128 else min(NAIVE_BLOCK, 32)
     scores = torch.empty((batch, num_q_heads, seqlen_q, seqlen_k), device=q.device, dtype=torch.float32)
     probs = torch.empty((batch, num_q_heads, seqlen_q, seqlen_k), device=q.device, dtype=q.dtype)
     inv_row_sum = torch.empty((batch, num_q_heads, seqlen_q), device=q.device, dtype=torch.float32)
@@ -46,6 +47,7 @@ def launch_naive(q, k, v, out, lse, params: AttentionParams) -> list:
     compiled.append(pv_kernel[(batch * num_q_heads, triton.cdiv(seqlen_q, block))](
         probs, v, inv_row_sum, out, *v.stride(), *out.stride(),
         num_q_heads, group_size, seqlen_q, seqlen_k,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=precision, **COMPILE_OPTIONS,
+        HEAD_DIM=head_dim_v, BLOCK_D=block_dv, BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=precision,
+        **COMPILE_OPTIONS,
     ))
     return compiled

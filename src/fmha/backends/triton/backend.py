@@ -15,6 +15,14 @@ from .config import (INTERPRETER_BACKWARD_CONFIG, INTERPRETER_FORWARD_CONFIG, Ba
 from .launch import PortableForward, SplitKVForward, launch_backward
 
 
+def tile_params(params: AttentionParams) -> AttentionParams:
+    """The parameters the tiles are chosen for: with a value head dim of its own, the wider of the
+    two head dims (the tuning data and heuristics know one head dim)."""
+    if params.head_dim_v:
+        return dataclasses.replace(params, head_dim=max(params.head_dim, params.head_dim_v), head_dim_v=0)
+    return params
+
+
 class TritonBackend:
     name = "triton"
     description = "portable Triton kernel (any GPU; the CPU under TRITON_INTERPRET=1)"
@@ -35,7 +43,7 @@ class TritonBackend:
             return split, f"split-KV: {params.batch * params.kv_heads} KV heads for {multiprocessors(params.device)} multiprocessors"
         if INTERPRETED:
             return INTERPRETER_FORWARD_CONFIG, "pinned under the interpreter"
-        return lookup.portable_config(params, autotune=os.environ.get("FMHA_AUTOTUNE") == "1")
+        return lookup.portable_config(tile_params(params), autotune=os.environ.get("FMHA_AUTOTUNE") == "1")
 
     def prepare_forward(self, params: AttentionParams, config: ForwardConfig | SplitKVConfig):
         forward = SplitKVForward if isinstance(config, SplitKVConfig) else PortableForward
@@ -46,7 +54,7 @@ class TritonBackend:
     def backward_config(self, params: AttentionParams) -> tuple[BackwardConfig, str]:
         if INTERPRETED:
             return INTERPRETER_BACKWARD_CONFIG, "pinned under the interpreter"
-        return lookup.backward_config(params)
+        return lookup.backward_config(tile_params(params))
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, params: AttentionParams,
                  config: BackwardConfig | None = None, seqlens: tuple = (), scores: ScoreTensors = NO_SCORE_TENSORS

@@ -102,13 +102,14 @@ def _load_row_stats(lse_ptr, delta_ptr, rows, seqlen_q, MASKED: tl.constexpr):
 
 @triton.jit
 def _dkdv_query_blocks(
-    dk, dv,  # [BLOCK_N, BLOCK_D] f32 accumulators
-    k, v,  # [BLOCK_N, BLOCK_D]
+    dk, dv,  # [BLOCK_N, BLOCK_D] and [BLOCK_N, BLOCK_DV] f32 accumulators
+    k, v,  # [BLOCK_N, BLOCK_D], [BLOCK_N, BLOCK_DV]
     q_base, do_base, lse_ptr, delta_ptr,
     stride_qm, stride_qd, stride_dom, stride_dod,
-    keys, first_key, offs_m, offs_d,
+    keys, first_key, offs_m, offs_d, offs_dv,
     m_start, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
@@ -117,8 +118,8 @@ def _dkdv_query_blocks(
         rows = start_m + offs_m  # [BLOCK_M]
         q = load_rows(q_base + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, rows, seqlen_q,
                        offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_M, BLOCK_D]
-        do = load_rows(do_base + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, rows, seqlen_q,
-                        offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_M, BLOCK_D]
+        do = load_rows(do_base + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod, rows, seqlen_q,
+                        offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)  # [BLOCK_M, BLOCK_DV]
         lse, delta = _load_row_stats(lse_ptr, delta_ptr, rows, seqlen_q, MASKED)  # [BLOCK_M] each
         raw_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if SOFTCAP or ALIBI or MASK != NO_MASK:
@@ -159,7 +160,7 @@ def backward_dkdv_kernel(
     stride_lb, stride_lh, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
     num_q_heads, num_kv_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
     softcap_scale, dropout_threshold, dropout_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -181,11 +182,13 @@ def backward_dkdv_kernel(
     keys = n_block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    kv_mask = (keys[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    offs_dv = tl.arange(0, BLOCK_DV)  # [BLOCK_DV]
+    k_mask = (keys[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    v_mask = (keys[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V)
     k = tl.load(K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn
-                + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+                + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=k_mask, other=0.0)
     v = tl.load(V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + k_start * stride_vn
-                + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+                + keys[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask=v_mask, other=0.0)
 
     # Query rows that see this key block: [m_start, m_end); rows [full_start, full_end) see all of
     # it (whole query blocks inside Sq, so they run unmasked).
@@ -193,7 +196,7 @@ def backward_dkdv_kernel(
         n_block * BLOCK_N, BLOCK_N, seqlen_q, lo, hi, BLOCK_M, HAS_LEFT, HAS_RIGHT)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for member in range(0, group_size):
         head = kv_head * group_size + member
         q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start * stride_qm
@@ -211,35 +214,36 @@ def backward_dkdv_kernel(
                           ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
-            keys, n_block * BLOCK_N, offs_m, offs_d, m_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+            keys, n_block * BLOCK_N, offs_m, offs_d, offs_dv, m_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
             SOFTCAP, ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
-            keys, n_block * BLOCK_N, offs_m, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+            keys, n_block * BLOCK_N, offs_m, offs_d, offs_dv, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
             SOFTCAP, ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
-            keys, n_block * BLOCK_N, offs_m, offs_d, full_end, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+            keys, n_block * BLOCK_N, offs_m, offs_d, offs_dv, full_end, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
             SOFTCAP, ALIBI, MASK, DROPOUT)
 
     dk = dk * scale
     tl.store(DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh + k_start * stride_dkn
-             + keys[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
+             + keys[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=k_mask)
     tl.store(DV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh + k_start * stride_dvn
-             + keys[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+             + keys[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
 def _dq_key_blocks(
     dq,  # [BLOCK_M, BLOCK_D] f32 accumulator
-    q, do, lse, delta,  # [BLOCK_M, BLOCK_D] x2, [BLOCK_M] x2
+    q, do, lse, delta,  # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV], [BLOCK_M] x2
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-    rows, offs_n, offs_d,
+    rows, offs_n, offs_d, offs_dv,
     n_start, n_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
@@ -248,8 +252,8 @@ def _dq_key_blocks(
         keys = start_n + offs_n  # [BLOCK_N]
         k = load_rows(k_base + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd, keys, seqlen_k,
                        offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
-        v = load_rows(v_base + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd, keys, seqlen_k,
-                       offs_d, HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
+        v = load_rows(v_base + keys[:, None] * stride_vn + offs_dv[None, :] * stride_vd, keys, seqlen_k,
+                       offs_dv, HEAD_DIM_V, BLOCK_DV, MASKED)  # [BLOCK_N, BLOCK_DV]
         raw = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if SOFTCAP or ALIBI or MASK != NO_MASK:
             scores, capped = score_tile(raw, rows[:, None], keys[None, :], seqlen_q, seqlen_k, qk_scale,
@@ -282,7 +286,7 @@ def backward_dq_kernel(
     stride_lb, stride_lh, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
     num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
     softcap_scale, dropout_threshold, dropout_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -304,11 +308,13 @@ def backward_dq_kernel(
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    offs_dv = tl.arange(0, BLOCK_DV)  # [BLOCK_DV]
     q_mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start * stride_qm
                 + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
     do = tl.load(DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh + q_start * stride_dom
-                 + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+                 + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                 mask=(rows[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     row_stats = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
     lse, delta = _load_row_stats(Lse + row_stats, Delta + row_stats, rows, seqlen_q, True)
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + k_start * stride_kn
@@ -328,16 +334,16 @@ def backward_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_LEFT:
         dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                            rows, offs_n, offs_d, kv_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-                            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                            rows, offs_n, offs_d, offs_dv, kv_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
                             SOFTCAP, ALIBI, MASK, DROPOUT)
     dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                        rows, offs_n, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                        rows, offs_n, offs_d, offs_dv, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
                         SOFTCAP, ALIBI, MASK, DROPOUT)
     dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                        rows, offs_n, offs_d, full_end, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                        rows, offs_n, offs_d, offs_dv, full_end, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
                         SOFTCAP, ALIBI, MASK, DROPOUT)
     dq = dq * scale
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_start * stride_dqm

@@ -78,8 +78,8 @@ def split_kv_config(params, multiprocessors: int) -> SplitKVConfig | None:
     multiprocessor; docs/perf.md, "The split-KV forward's plan".)
     """
     packed_rows = params.group * params.seqlen_q
-    if packed_rows > 64 or params.seqlen_k == 0:
-        return None
+    if packed_rows > 64 or params.seqlen_k == 0 or params.head_dim_v:
+        return None  # (a value head dim of its own runs the per-tile forward)
     programs = params.batch * params.kv_heads
     block_d = padded_head_dim(params.head_dim)
     interpreted = multiprocessors < 8  # the interpreter: small tiles, no rules from GPU timings

@@ -58,9 +58,9 @@ def _load_kv(ptrs, desc, batch, kv_head, start_n, keys, seqlen_k, offs_d,
 
 @triton.jit
 def _softmax_update(
-    acc, row_sum, row_max,  # [BLOCK_M, BLOCK_D] f32, [BLOCK_M] f32, [BLOCK_M] f32 (log2 units)
+    acc, row_sum, row_max,  # [BLOCK_M, BLOCK_DV] f32, [BLOCK_M] f32, [BLOCK_M] f32 (log2 units)
     raw_scores,  # [BLOCK_M, BLOCK_N] f32, Q·Kᵀ unscaled
-    v,  # [BLOCK_N, BLOCK_D]
+    v,  # [BLOCK_N, BLOCK_DV]
     start_n, keys, offs_m, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSED_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr,
@@ -115,12 +115,13 @@ def _softmax_update(
 def _attend_kv_blocks(
     acc, row_sum, row_max,
     q,  # [BLOCK_M, BLOCK_D]
-    k_ptrs, v_ptrs,  # [BLOCK_N, BLOCK_D] pointers at key block 0 (unused with TMA)
+    k_ptrs, v_ptrs,  # [BLOCK_N, BLOCK_D] and [BLOCK_N, BLOCK_DV] pointers at key block 0 (unused with TMA)
     k_desc, v_desc, batch, kv_head,  # (B, H, S, D) descriptors of K and V (with TMA)
     stride_kn, stride_vn,
-    offs_m, offs_n, offs_d,
+    offs_m, offs_n, offs_d, offs_dv,
     kv_start, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
@@ -130,8 +131,8 @@ def _attend_kv_blocks(
         k = _load_kv(k_ptrs + start_n * stride_kn, k_desc, batch, kv_head, start_n, keys, seqlen_k, offs_d,
                      HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
         raw_scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        v = _load_kv(v_ptrs + start_n * stride_vn, v_desc, batch, kv_head, start_n, keys, seqlen_k, offs_d,
-                     HEAD_DIM, BLOCK_D, BLOCK_N, MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+        v = _load_kv(v_ptrs + start_n * stride_vn, v_desc, batch, kv_head, start_n, keys, seqlen_k, offs_dv,
+                     HEAD_DIM_V, BLOCK_DV, BLOCK_N, MASKED, USE_TMA)  # [BLOCK_N, BLOCK_DV]
         acc, row_sum, row_max = _softmax_update(
             acc, row_sum, row_max, raw_scores, v, start_n, keys, offs_m, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
             MASKED, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, FUSED_SCALE, SOFTCAP, ALIBI, MASK, DROPOUT)
@@ -141,10 +142,10 @@ def _attend_kv_blocks(
 @triton.jit
 def _attend_kv_blocks_pipelined(
     acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head,
-    stride_kn, stride_vn, offs_m, offs_n, offs_d,
+    stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
     kv_start, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """The unmasked loop with Q·Kᵀ one block ahead of the softmax (kv_end > kv_start)."""
@@ -157,14 +158,14 @@ def _attend_kv_blocks_pipelined(
                      seqlen_k, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA)
         next_scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         v = _load_kv(v_ptrs + start_n * stride_vn, v_desc, batch, kv_head, start_n, start_n + offs_n,
-                     seqlen_k, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA)
+                     seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, USE_TMA)
         acc, row_sum, row_max = _softmax_update(
             acc, row_sum, row_max, raw_scores, v, start_n, start_n + offs_n, offs_m, seqlen_q, seqlen_k, lo, hi,
             qk_scale, mods, False, False, False, DOT_PRECISION, FUSED_SCALE, SOFTCAP, ALIBI, MASK, DROPOUT)
         raw_scores = next_scores
     last_n = kv_end - BLOCK_N
     v = _load_kv(v_ptrs + last_n * stride_vn, v_desc, batch, kv_head, last_n, last_n + offs_n,
-                 seqlen_k, offs_d, HEAD_DIM, BLOCK_D, BLOCK_N, False, USE_TMA)
+                 seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, USE_TMA)
     return _softmax_update(acc, row_sum, row_max, raw_scores, v, last_n, last_n + offs_n, offs_m, seqlen_q, seqlen_k,
                            lo, hi, qk_scale, mods, False, False, False, DOT_PRECISION, FUSED_SCALE,
                            SOFTCAP, ALIBI, MASK, DROPOUT)
@@ -179,7 +180,7 @@ def _forward_tile(
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_sh,
     batch, head, m_block, q_start, k_start,
     group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, PIPELINE_QK: tl.constexpr,
@@ -194,8 +195,10 @@ def _forward_tile(
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    offs_dv = tl.arange(0, BLOCK_DV)  # [BLOCK_DV]
     row_in_range = offs_m[:, None] < seqlen_q
     d_in_range = offs_d[None, :] < HEAD_DIM
+    dv_in_range = offs_dv[None, :] < HEAD_DIM_V
 
     q_start = tl.cast(q_start, tl.int64)
     k_start = tl.cast(k_start, tl.int64)
@@ -209,37 +212,37 @@ def _forward_tile(
         q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                     mask=row_in_range & d_in_range, other=0.0)  # [BLOCK_M, BLOCK_D]
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd  # [BLOCK_N, BLOCK_D]
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd  # [BLOCK_N, BLOCK_DV]
 
     kv_start, full_start, full_end, kv_end = key_blocks(
         m_block * BLOCK_M, BLOCK_M, seqlen_k, lo, hi, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if HAS_LEFT:  # blocks crossing the window's left edge
         acc, row_sum, row_max = _attend_kv_blocks(
             acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, kv_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False,
+            offs_m, offs_n, offs_d, offs_dv, kv_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False,
             SOFTCAP, ALIBI, MASK, DROPOUT)
     if PIPELINE_QK:
         if full_end > full_start:
             acc, row_sum, row_max = _attend_kv_blocks_pipelined(
                 acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head,
-                stride_kn, stride_vn, offs_m, offs_n, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi,
-                qk_scale, mods, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, FUSED_SCALE,
+                stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv, full_start, full_end, seqlen_q, seqlen_k, lo, hi,
+                qk_scale, mods, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, DOT_PRECISION, USE_TMA, FUSED_SCALE,
                 SOFTCAP, ALIBI, MASK, DROPOUT)
     else:
         acc, row_sum, row_max = _attend_kv_blocks(
             acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-            HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE,
+            offs_m, offs_n, offs_d, offs_dv, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE,
             WARP_SPECIALIZE, SOFTCAP, ALIBI, MASK, DROPOUT)
     acc, row_sum, row_max = _attend_kv_blocks(
         acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, full_end, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-        HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False,
+        offs_m, offs_n, offs_d, offs_dv, full_end, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False,
         SOFTCAP, ALIBI, MASK, DROPOUT)
 
     # Rows that saw no key: output 0 and LSE -inf, never 0/0.
@@ -262,10 +265,10 @@ def _forward_tile(
 
     if USE_TMA:
         o_desc.store([batch, head, m_block * BLOCK_M, 0],
-                     out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+                     out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_DV))
     else:
-        tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                 out.to(Out.dtype.element_ty), mask=row_in_range & d_in_range)
+        tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                 out.to(Out.dtype.element_ty), mask=row_in_range & dv_in_range)
     lse_base = Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
 
@@ -289,7 +292,7 @@ def attention_forward_kernel(
     stride_ab, stride_ah, stride_sh, stride_mb, stride_mh, stride_mm, stride_mn,
     num_batch_heads, num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale,
     softcap_scale, dropout_threshold, dropout_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, FUSED_SCALE: tl.constexpr, PIPELINE_QK: tl.constexpr,
@@ -320,7 +323,7 @@ def attention_forward_kernel(
                 stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_sh,
                 seq, head, m_block, q_start, k_start,  # batch strides are 0
                 group_size, seqlen_q_seq, seqlen_k_seq, lo + offset, hi + offset, qk_scale, mods,
-                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
                 False, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE, SOFTCAP, ALIBI, MASK, SINKS, DROPOUT)
     else:
         # Tile t covers query block t % num_m_blocks of (batch, head) t // num_m_blocks: the query
@@ -343,7 +346,7 @@ def attention_forward_kernel(
                     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_sh,
                     batch_head // num_q_heads, batch_head % num_q_heads, m_block,
                     0, 0, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-                    HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                    HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
                     USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE, SOFTCAP, ALIBI, MASK, SINKS, DROPOUT)
         else:
             tile = tl.program_id(0)
@@ -360,5 +363,5 @@ def attention_forward_kernel(
                 stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_sh,
                 batch_head // num_q_heads, batch_head % num_q_heads, m_block,
                 0, 0, group_size, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
+                HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
                 USE_TMA, FUSED_SCALE, PIPELINE_QK, WARP_SPECIALIZE, SOFTCAP, ALIBI, MASK, SINKS, DROPOUT)

@@ -249,6 +249,7 @@ class PortableForward:
         self.scores = ScoreLaunch(params)
         self.constants = dict(
             HEAD_DIM=params.head_dim, BLOCK_D=padded_head_dim(params.head_dim),
+            HEAD_DIM_V=params.value_head_dim, BLOCK_DV=padded_head_dim(params.value_head_dim),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(params.dtype),
             USE_TMA=False, FUSED_SCALE=features.fused_scale and self.scores.fused_scale_ok,
@@ -294,9 +295,10 @@ class PortableForward:
         use_tma = (self.features.tma and TensorDescriptor is not None
                    and all(tma_compatible(t) for t in (q, k, v, out)))
         if use_tma:  # host descriptors vary per call: always through the JIT
-            block_m, block_n, block_d = self.config.block_m, self.config.block_n, constants["BLOCK_D"]
+            block_m, block_n, block_d, block_dv = (self.config.block_m, self.config.block_n, constants["BLOCK_D"],
+                                                   constants["BLOCK_DV"])
             descriptors = (_descriptor(q, block_m, block_d), _descriptor(k, block_n, block_d),
-                           _descriptor(v, block_n, block_d), _descriptor(out, block_m, block_d))
+                           _descriptor(v, block_n, block_dv), _descriptor(out, block_m, block_dv))
             constants = {**constants, "USE_TMA": True}
         compiled = attention_forward_kernel[(self.grid,)](
             q, k, v, out, lse, *descriptors, cu_seqlens_q, cu_seqlens_k, tiles, *score_pointers, *strides,
@@ -391,13 +393,14 @@ def launch_forward(q, k, v, out, lse, params: AttentionParams, config: ForwardCo
 def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams, config: BackwardConfig,
                     cu_seqlens_q=None, cu_seqlens_k=None, scores: ScoreTensors = NO_SCORE_TENSORS) -> None:
     """Writes dq, dk, dv (shapes and dtypes of q, k, v) from the forward's out and LSE, and the sinks'
-    gradient into ``scores.sinks_grad`` when the call has sinks.
+    gradient into ``scores.sinks_grad`` when the call has sinks. v, out, dout and dv have the value
+    head dim.
 
     Packed sequences (varlen) pass their cu_seqlens; the tensors are then (total, H, D).
     """
     p = params
-    head_dim, num_q_heads, num_kv_heads = p.head_dim, p.q_heads, p.kv_heads
-    block_d = padded_head_dim(head_dim)
+    head_dim, head_dim_v, num_q_heads, num_kv_heads = p.head_dim, p.value_head_dim, p.q_heads, p.kv_heads
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     has_left, has_right, lo, hi = window_bounds(params)
     scale = params.options.scale
     delta = torch.empty_like(lse)  # the LSE's layout, so the kernels index both alike
@@ -413,7 +416,7 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
     # The preprocess is per row: packed sequences are one batch of total_q rows.
     backward_preprocess_kernel[(triton.cdiv(rows, preprocess_block) * batch * num_q_heads,)](
         out, dout, delta, *out_strides, *dout_strides, num_q_heads, rows,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block, WIDE_OFFSETS=wide, **COMPILE_OPTIONS,
+        HEAD_DIM=head_dim_v, BLOCK_D=block_dv, BLOCK_M=preprocess_block, WIDE_OFFSETS=wide, **COMPILE_OPTIONS,
     )
     if scores.sinks is not None:  # the LSE counts the sinks: their gradient needs only it and delta
         sinks_grad_kernel[(num_q_heads,)](
@@ -425,7 +428,7 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
     qk_scale, softcap_scale, threshold, dropout_scale = score_launch.scalars
     score_constants = dict(score_launch.constants)
     del score_constants["SINKS"]  # the LSE counts them: the backward kernels never see them
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right,
                   DOT_PRECISION=dot_precision(q.dtype), VARLEN=p.varlen, **score_constants, WIDE_OFFSETS=wide,
                   num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
     group_size = num_q_heads // num_kv_heads
