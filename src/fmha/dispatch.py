@@ -295,7 +295,7 @@ def _one_head_dim_backward(dout, q, k, v, out, lse, params: AttentionParams, seq
     """The backward of a call whose v has a head dim of its own, through the Gluon backward, which
     takes one: every tensor zero-padded to the wider head dim. The zero columns add nothing to
     Q·Kᵀ, dO·Vᵀ or delta = rowsum(O ⊙ dO), and the padded columns of the gradients are cut off
-    (H200, D = 192 and Dv = 128: 1.8-2.1x the portable backward's speed, copies included;
+    (H200, D = 192 and Dv = 128: 1.9-2.1x the portable backward's speed, copies included;
     docs/perf.md). Where the Gluon backward refuses the call all the same, the portable backward
     runs it as it is."""
     one_dim = one_head_dim_params(params)

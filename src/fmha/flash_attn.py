@@ -56,7 +56,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``dropout_p`` drops entries of P (kept ones scaled by 1 / (1 - p)) with bits drawn from torch's
     default generator of the device (``fmha.attention`` takes a ``generator``).
 
-    Returns out (B, Sq, Hq, D), or ``(out, softmax_lse, None)`` with ``return_attn_probs=True``:
+    v may have a head dim of its own, Dv, as FlashAttention-3 allows (DeepSeek's MLA: D = 192, Dv = 128).
+
+    Returns out (B, Sq, Hq, Dv), or ``(out, softmax_lse, None)`` with ``return_attn_probs=True``:
     softmax_lse is (B, Hq, Sq) float32 in natural log; the third item, FlashAttention's ``S_dmask``
     (a testing aid holding the dropout pattern), is None: the pattern never exists in memory.
     """
