@@ -43,6 +43,8 @@ def random_call(rng, torch, fmha, device):
         # over 4.3 GFLOP, where the shipped rules run the Hopper forward rather than the portable one
         batch, kv_heads, q_heads, seqlen_q, seqlen_k, head_dim = 2, 2, 4, 1536, 2048, rng.choice([64, 128])
     dtype = rng.choice([torch.float16, torch.float32]) if device == "cpu" else rng.choice([torch.float16, torch.bfloat16])
+    # v's own head dim in a fifth of the calls that take separate k and v (not the KV cache's)
+    head_dim_v = head_dim if rng.random() < 0.8 else rng.choice([8, 32] if not on_gpu else [64, 128])
 
     def randn(*shape):
         return torch.randn(*shape, device=device).to(dtype)
@@ -61,10 +63,11 @@ def random_call(rng, torch, fmha, device):
             kwargs["alibi_slopes"] = torch.rand(rng.choice([(q_heads,), (batch, q_heads)]), device=device)
         bshd = rng.random() < 0.5  # BSHD views, or BHSD tensors
 
-        def tensor(heads, seqlen):
-            x = randn(batch, seqlen, heads, head_dim).transpose(1, 2)
+        def tensor(heads, seqlen, features=head_dim):
+            x = randn(batch, seqlen, heads, features).transpose(1, 2)
             return x if bshd else x.contiguous()
-        return kind, fmha.attention, (tensor(q_heads, seqlen_q), tensor(kv_heads, seqlen_k), tensor(kv_heads, seqlen_k)), kwargs
+        return kind, fmha.attention, (tensor(q_heads, seqlen_q), tensor(kv_heads, seqlen_k),
+                                      tensor(kv_heads, seqlen_k, head_dim_v)), kwargs
     if kind == "sdpa":
         kwargs = dict(is_causal=rng.random() < 0.3, enable_gqa=True)
         if rng.random() < 0.3:
@@ -75,7 +78,7 @@ def random_call(rng, torch, fmha, device):
         kv_batch = 1 if rng.random() < 0.25 else batch  # a key/value batch of one broadcasts, as in torch
         return kind, fmha.scaled_dot_product_attention, (randn(batch, q_heads, seqlen_q, head_dim),
                                                         randn(kv_batch, kv_heads, seqlen_k, head_dim),
-                                                        randn(kv_batch, kv_heads, seqlen_k, head_dim)), kwargs
+                                                        randn(kv_batch, kv_heads, seqlen_k, head_dim_v)), kwargs
     if kind == "flash":
         kwargs = dict(causal=rng.random() < 0.5, window_size=rng.choice([(-1, -1), (3, 0), (2, 2)]),
                       softcap=rng.choice([0.0, 15.0]), return_attn_probs=rng.random() < 0.5)
@@ -85,7 +88,7 @@ def random_call(rng, torch, fmha, device):
             kwargs["alibi_slopes"] = torch.rand(q_heads, device=device)
         return kind, fmha.flash_attn_func, (randn(batch, seqlen_q, q_heads, head_dim),
                                             randn(batch, seqlen_k, kv_heads, head_dim),
-                                            randn(batch, seqlen_k, kv_heads, head_dim)), kwargs
+                                            randn(batch, seqlen_k, kv_heads, head_dim_v)), kwargs
     if kind == "varlen":
         lengths_q = [rng.choice([0, 1, 4, 9] + [150] * on_gpu) for _ in range(batch + 1)]
         lengths_k = [rng.choice([0, 1, 5, 12] + [210] * on_gpu) for _ in lengths_q]
@@ -96,7 +99,7 @@ def random_call(rng, torch, fmha, device):
                       softcap=rng.choice([0.0, 15.0]), return_attn_probs=rng.random() < 0.5)
         return kind, fmha.flash_attn_varlen_func, (randn(sum(lengths_q), q_heads, head_dim),
                                                    randn(sum(lengths_k), kv_heads, head_dim),
-                                                   randn(sum(lengths_k), kv_heads, head_dim), offsets(lengths_q),
+                                                   randn(sum(lengths_k), kv_heads, head_dim_v), offsets(lengths_q),
                                                    offsets(lengths_k), max(lengths_q), max(lengths_k)), kwargs
     capacity, new_keys = rng.choice([24] + [300] * on_gpu), rng.choice([0, 1, 2])
     kwargs = dict(cache_seqlens=torch.tensor([rng.randrange(0, capacity - 2) for _ in range(batch)], dtype=torch.int32,

@@ -1,10 +1,10 @@
 """Random calls on the GPU, each held to the float64 reference by the project's error rule.
 
 The test grids cover chosen shapes; this draws the arguments at random (shapes that are not tile
-multiples, head dims 16-256, GQA, windows, the score features, dropout with the kernels' own keep
-pattern, BSHD views, packed sequences, KV caches and paged caches) and checks every call: the
-output, the LSE, the gradients, and for ``deterministic=True`` bitwise-equal gradients on a second
-run. Several worker processes share the GPU so that kernel builds overlap.
+multiples, head dims 16-256 (v's own for some calls), GQA, windows, the score features, dropout
+with the kernels' own keep pattern, BSHD views, packed sequences, KV caches and paged caches) and
+checks every call: the output, the LSE, the gradients, and for ``deterministic=True`` bitwise-equal
+gradients on a second run. Several worker processes share the GPU so that kernel builds overlap.
 
     PYTHONPATH=src python benchmarks/random_calls.py --seconds 300 --workers 8 --log $OUT/random_calls.log
     PYTHONPATH=src python benchmarks/random_calls.py --kinds kvcache,paged_varlen ...  # some kinds only
@@ -46,6 +46,8 @@ HEAD_DIMS = [64, 64, 64, 128, 128, 128, 256, 256, 8, 16, 24, 32, 40, 48, 80, 96,
 KVCACHE_HEAD_DIMS = [64, 128, 128, 32, 80, 256]
 PAGED_VARLEN_HEAD_DIMS = [64, 128, 32, 96]
 SDPA_HEAD_DIMS = [64, 128, 40]
+# v's own head dim, drawn for a fifth of the dense, packed and SDPA calls (MLA's 128 at D = 192 among them)
+VALUE_HEAD_DIMS = [128, 128, 64, 16, 40, 96, 136, 192, 256]
 WINDOW_SIDES = [None, None, None, 0, 1, 63, 256, 1024]
 MAX_PAIRS = 6e7  # B * Hq * Sq * Sk, so that the float64 reference stays small
 DEVICE = os.environ.get("FMHA_RANDOM_CALLS_DEVICE", "cuda")  # "cpu": the interpreter, to try a replay
@@ -107,7 +109,13 @@ def draw_dense(rng):
                                    {"q_buffers": 2, "row_sum_mma": True}, {"q_buffers": 2, "pingpong": 0},
                                    {"consumers": 3, "q_buffers": 2, "row_sum_mma": True},
                                    {"block_n": 64, "pack_p": True}, {"block_n": 64, "dynamic": True, "pack_p": True}])
+    case["head_dim_v"] = draw_value_head_dim(rng)
     return case
+
+
+def draw_value_head_dim(rng):
+    """v's head dim where it differs from q's, else None."""
+    return rng.choice(VALUE_HEAD_DIMS) if rng.random() < 0.2 else None
 
 
 # How each of q, k and v is laid out beyond `layout`: mostly as drawn; else every second row of a
@@ -148,7 +156,8 @@ def run_dense(case):
     dtype = getattr(torch, case["dtype"])
     generator = torch.Generator(device=DEVICE).manual_seed(case["seed"])
     q, k, v = random_qkv(case["batch"], case["q_heads"], case["kv_heads"], case["seqlen_q"], case["seqlen_k"],
-                         case["head_dim"], dtype, device=DEVICE, layout=case["layout"], generator=generator)
+                         case["head_dim"], dtype, device=DEVICE, layout=case["layout"], generator=generator,
+                         head_dim_v=case.get("head_dim_v"))
     views_rng = random.Random(case["seed"])
     q, k, v = (restrided(t, view, views_rng) for t, view in zip((q, k, v), case.get("views", [None] * 3)))
     scores = score_tensors(case, case["batch"], case["q_heads"])
@@ -217,6 +226,7 @@ def draw_varlen(rng):
                 causal=rng.random() < 0.5, left=rng.choice(WINDOW_SIDES), right=rng.choice(WINDOW_SIDES),
                 backward=rng.random() < 0.5)
     case.update(draw_scores(rng))
+    case["head_dim_v"] = draw_value_head_dim(rng)
     return case
 
 
@@ -230,8 +240,8 @@ def run_varlen(case):
     generator = torch.Generator(device=DEVICE).manual_seed(case["seed"])
     lengths_q, lengths_k = case["lengths_q"], case["lengths_k"]
     q = torch.randn(sum(lengths_q), case["q_heads"], case["head_dim"], device=DEVICE, dtype=dtype, generator=generator)
-    k, v = (torch.randn(sum(lengths_k), case["kv_heads"], case["head_dim"], device=DEVICE, dtype=dtype,
-                        generator=generator) for _ in range(2))
+    k, v = (torch.randn(sum(lengths_k), case["kv_heads"], head_dim, device=DEVICE, dtype=dtype,
+                        generator=generator) for head_dim in (case["head_dim"], case.get("head_dim_v") or case["head_dim"]))
     cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
     scores = score_tensors(case, len(lengths_q), case["q_heads"])
     leaves = (q, k, v) + ((scores["sinks"],) if "sinks" in scores else ())
@@ -344,7 +354,8 @@ def draw_sdpa(rng):
                 # leading dims that broadcast, as torch's SDPA takes them: a key/value batch of one,
                 # and one key/value head for every query head without enable_gqa
                 kv_batch=1 if rng.random() < 0.25 else batch,
-                broadcast_heads=kv_heads == 1 and group > 1 and rng.random() < 0.5)
+                broadcast_heads=kv_heads == 1 and group > 1 and rng.random() < 0.5,
+                head_dim_v=draw_value_head_dim(rng))
 
 
 def run_sdpa(case):
@@ -353,7 +364,7 @@ def run_sdpa(case):
     dtype = getattr(torch, case["dtype"])
     generator = torch.Generator(device=DEVICE).manual_seed(case["seed"])
     q, k, v = random_qkv(case["batch"], case["q_heads"], case["kv_heads"], case["seqlen_q"], case["seqlen_k"],
-                         case["head_dim"], dtype, device=DEVICE, generator=generator)
+                         case["head_dim"], dtype, device=DEVICE, generator=generator, head_dim_v=case.get("head_dim_v"))
     kv_batch = case.get("kv_batch", case["batch"])
     k, v = k[:kv_batch], v[:kv_batch]
     shape = case["mask_shape"]

@@ -326,3 +326,42 @@ def test_sdpa_broadcasts_leading_dims_gpu(shapes):
     full = [x.expand(*batch, *x.shape[-2:]).reshape(-1, *x.shape[-2:]).unsqueeze(0) for x in (q, k, v)]
     assert out.shape == (*batch, *query_shape[-2:])
     assert_close_to_reference(out.reshape(full[0].shape), *full, causal_offset=0, atol=1e-5)
+
+
+FEATURE_MAJOR_CALL = r"""
+import sys, torch, fmha
+from fmha.testing import assert_close_to_reference, assert_grads_close
+from fmha.masking import Window
+which, window = sys.argv[1], eval(sys.argv[2])
+g = torch.Generator(device="cuda").manual_seed(0)
+
+def tensor(heads, seqlen, feature_major):
+    if feature_major:  # the head dim outermost in memory, the sequence innermost: unit sequence stride
+        return torch.randn(24, seqlen, heads, 1, device="cuda", dtype=torch.bfloat16, generator=g).permute(3, 2, 1, 0)
+    return torch.randn(1, heads, seqlen, 24, device="cuda", dtype=torch.bfloat16, generator=g)
+
+q, k, v = (tensor(heads, seqlen, name in which) for name, heads, seqlen in (("q", 4, 128), ("k", 1, 1000), ("v", 1, 1000)))
+visible = Window.of(128, 1000, left=window[0], right=window[1]) if window else None
+leaves = [t.requires_grad_() for t in (q, k, v)]
+out = fmha.attention(*leaves, window=window)
+assert_close_to_reference(out.detach(), q.detach(), k.detach(), v.detach(), window=visible)
+dout = torch.randn_like(out)
+grads = torch.autograd.grad(out, leaves, dout)
+assert_grads_close(grads, q.detach(), k.detach(), v.detach(), dout, window=visible, out=out.detach())
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("window", ["(256, None)", "None"])
+@pytest.mark.parametrize("which", ["k", "v", "q", "qkv"])
+def test_tensors_stored_feature_major_gpu(which, window):
+    """q, k or v whose head dim is outermost in memory (a unit sequence stride) on the portable
+    kernels, which take any strides. Random calls found an illegal memory access in the forward
+    with such a k (B1 Hq4 Hkv1 Sq128 Sk1000 D24 bf16, window (256, None); H200, triton 3.6,
+    session 51). Each call runs in a child process: an illegal access ends the CUDA context."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", FEATURE_MAJOR_CALL, which, window], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
