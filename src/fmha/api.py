@@ -77,8 +77,10 @@ Supported
 * Head dims 1 to 256, including non-powers of two (40, 80, 96, 192...). v's head dim may differ
   from q's and k's (DeepSeek's MLA: 192 and 128) in ``attention``, ``varlen_attention``,
   ``scaled_dot_product_attention`` (as torch's) and ``flash_attn_func`` / ``flash_attn_varlen_func``
-  (as FlashAttention-3's): the output takes v's; forward and backward, with every feature above,
-  on the portable kernels (the Gluon kernels and the KV-cache functions need one head dim).
+  (as FlashAttention-3's): the output takes v's; forward and backward, with every feature above.
+  On sm_90 the Gluon forward reads V and writes the output at their width where Dv is a multiple
+  of 8 within the columns its products read at D, and the Gluon backward runs such calls with
+  every tensor zero-padded to the wider head dim. The KV-cache functions need one head dim.
 * Any Sq, Sk >= 1; empty batch, heads or sequences return empty (or zero) results, as torch's
   SDPA does (also through ``scaled_dot_product_attention`` with 3-D to 5-D inputs).
 * CUDA tensors, and CPU tensors when ``TRITON_INTERPRET=1`` was set before import

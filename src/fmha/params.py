@@ -98,9 +98,10 @@ class AttentionParams:
     """A validated call: q is (batch, q_heads, seqlen_q, head_dim), k (batch, kv_heads, seqlen_k, head_dim)
     and v (batch, kv_heads, seqlen_k, value_head_dim); the output has v's head dim.
 
-    Packed sequences (``options.layout == "varlen"``): q is (total_q, q_heads, head_dim), k and v
-    (total_k, kv_heads, head_dim), ``batch`` sequences cut by ``cu_seqlens``; seqlen_q and
-    seqlen_k are the caller's max_seqlen hints (tile choice only: the kernels read the lengths).
+    Packed sequences (``options.layout == "varlen"``): q is (total_q, q_heads, head_dim), k
+    (total_k, kv_heads, head_dim) and v (total_k, kv_heads, value_head_dim), ``batch`` sequences cut
+    by ``cu_seqlens``; seqlen_q and seqlen_k are the caller's max_seqlen hints (tile choice only:
+    the kernels read the lengths).
     """
 
     batch: int
