@@ -510,3 +510,15 @@ def test_wide_backward_with_score_features_gpu(name, head_dim, seqlen_q, seqlen_
     explanation = fmha.explain(q, k, v, causal=causal, config=hopper, **feature_kwargs(name))
     assert explanation.backend == "gluon_sm90" and explanation.backward.startswith("gluon_sm90"), str(explanation)
     check_features(q, k, v, name, causal, config=hopper)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mask_shape, gqa", [((2, 4, 300, 700), False), ((300, 700), True), ((2, 1, 1, 700), False),
+                                             ((1, 4, 300, 1), True)], ids=lambda x: "x".join(map(str, x))
+                         if isinstance(x, tuple) else str(x))
+def test_attn_mask_gradient_gpu(dtype, mask_shape, gqa):
+    """SDPA's float attn_mask that requires grad: its gradient from the portable backward (the Gluon
+    one leaves it there), against float64 (tests/test_sdpa.py's rule)."""
+    from .test_sdpa import check_attn_mask_gradient
+
+    check_attn_mask_gradient(dtype, mask_shape, gqa, device="cuda", lengths=(300, 700), head_dim=64)

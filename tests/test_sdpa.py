@@ -117,3 +117,71 @@ def test_leading_dims_that_do_not_broadcast_are_named():
         fmha.scaled_dot_product_attention(q, torch.randn(3, 4, 9, 16), torch.randn(3, 4, 9, 16))
     with pytest.raises(ValueError, match="enable_gqa=True"):
         fmha.scaled_dot_product_attention(q, torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16))
+
+
+def check_attn_mask_gradient(dtype, mask_shape, gqa, device="cpu", lengths=(10, 13), head_dim=16):
+    """A float attn_mask that requires grad gets its gradient, dS summed over the dims it broadcasts
+    over, held to the error rule against float64 (torch's math SDPA in the same dtype is the bound)."""
+    generator = torch.Generator(device=device).manual_seed(sum(mask_shape))
+    seqlen_q, seqlen_k = lengths
+    kv_heads = 2 if gqa else 4
+    query, key, value = (torch.randn(shape, generator=generator, device=device).to(dtype).requires_grad_()
+                         for shape in ((2, 4, seqlen_q, head_dim), (2, kv_heads, seqlen_k, head_dim),
+                                       (2, kv_heads, seqlen_k, head_dim)))
+    mask = (torch.randn(mask_shape, generator=generator, device=device) * 2).to(dtype).requires_grad_()
+    out = fmha.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa)
+    dout = torch.randn(out.shape, generator=generator, device=device).to(dtype)
+    grads = torch.autograd.grad(out, (query, key, value, mask), dout)
+
+    def torch_grads(cast):
+        leaves = [x.detach().to(cast).requires_grad_() for x in (query, key, value, mask)]
+        with sdpa_kernel(SDPBackend.MATH):
+            expected = torch_sdpa(*leaves[:3], attn_mask=leaves[3], enable_gqa=gqa)
+        return torch.autograd.grad(expected, leaves, dout.to(cast))
+
+    truth, same_dtype = torch_grads(torch.float64), torch_grads(dtype)
+    # The backward takes delta = rowsum(dO * O) from the rounded output, as FlashAttention does: each
+    # row's dS moves by -P * dO.(out - O), which the mask's gradient sums over the dims it broadcasts
+    # over (where torch's exact terms cancel), and dq, dk, dv see through fmha.testing's rule.
+    leaves = [x.detach().double() for x in (query, key, value, mask)]
+    k64, v64 = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in leaves[1:3])
+    probs = torch.softmax(leaves[0] @ k64.transpose(-1, -2) / head_dim ** 0.5 + leaves[3], dim=-1)
+    shift = (dout.double() * (out.detach().double() - probs @ v64)).sum(-1, keepdim=True)
+    rounding = (probs * shift).sum_to_size(mask.shape).abs().max().item()
+    atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    for name, got, want, torch_grad in zip(("dq", "dk", "dv", "dmask"), grads, truth, same_dtype):
+        assert got.shape == want.shape and got.dtype == dtype and not got.isnan().any(), name
+        error = (got.double() - want).abs().max().item()
+        torch_error = (torch_grad.double() - want).abs().max().item()
+        bound = 2 * torch_error + atol + (rounding if name == "dmask" else 0.0)
+        assert error <= bound, f"{name}: {error:.3g} > 2 * torch's {torch_error:.3g} + {atol} (+ rounding)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("mask_shape, gqa", [((2, 4, 10, 13), False), ((10, 13), False), ((2, 1, 1, 13), True),
+                                             ((1, 4, 10, 1), False)], ids=str)
+def test_attn_mask_gradient_matches_torch(dtype, mask_shape, gqa):
+    check_attn_mask_gradient(dtype, mask_shape, gqa)
+
+
+def test_attn_mask_gradient_under_torch_compile():
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(1, 2, length, 16, generator=generator, requires_grad=True)
+                         for length in (9, 12, 12))
+    mask = torch.randn(1, 1, 9, 12, generator=generator, requires_grad=True)
+    compiled = torch.compile(lambda q, k, v, m: fmha.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                             fullgraph=True)
+    out = compiled(query, key, value, mask)
+    dout = torch.randn(out.shape, generator=generator)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = torch_sdpa(query, key, value, attn_mask=mask)
+    for got, want in zip(torch.autograd.grad(out, (query, mask), dout), torch.autograd.grad(expected, (query, mask), dout)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_hopper_backward_leaves_the_mask_gradient_to_the_portable_one():
+    from fmha.backends.gluon_sm90.backend import HopperBackend
+
+    q, k, v = random_qkv(1, 2, 2, 8, 8, 64, torch.bfloat16)
+    params = fmha.params.attention_params("test", q, k, v, attn_mask_kind="float32", attn_mask_grad=True)
+    assert "the attn_mask requires grad" in HopperBackend().backward_refusal(params, q, q, k, v, q, k, v)

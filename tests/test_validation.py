@@ -136,11 +136,6 @@ class TestSdpaEntryPoint:
         with pytest.raises(ValueError, match=r"attn_mask or is_causal=True, not both"):
             fmha.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True)
 
-    def test_a_mask_that_requires_grad_is_refused(self):
-        q, k, v = qkv(k_shape=(1, 4, 8, 16), dtype=torch.float32)
-        with pytest.raises(NotImplementedError, match=r"attn_mask requires grad"):
-            fmha.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(8, 8, requires_grad=True))
-
     def test_dropout_out_of_range(self):
         q, k, v = qkv(k_shape=(1, 4, 8, 16))
         with pytest.raises(ValueError, match=r"dropout_p must be a float in \[0, 1\]"):

@@ -31,9 +31,10 @@ Supported
 * ``scaled_dot_product_attention`` mirrors ``torch.nn.functional.scaled_dot_product_attention``
   (top-left ``is_causal``, ``enable_gqa``, 3-D or higher inputs), with ``attn_mask`` (bool or
   float, float32 or the query's dtype, broadcast over batch and heads and read through its
-  strides: stride-0 expanded masks are never materialised; not differentiated; on sm_90 the
-  Gluon forward reads bool masks and the Gluon backward both kinds) and ``dropout_p``; a row the
-  mask hides entirely returns zeros, as torch's kernels do.
+  strides: stride-0 expanded masks are never materialised; on sm_90 the Gluon forward reads bool
+  masks and the Gluon backward both kinds; a float mask that requires grad gets its gradient from
+  the portable backward, dS for every score in float32, summed over the dims it broadcasts over)
+  and ``dropout_p``; a row the mask hides entirely returns zeros, as torch's kernels do.
 * ``naive_attention``: the materialising baseline, same contract as ``attention``.
 * Packed variable-length sequences (varlen): ``varlen_attention(q, k, v, cu_seqlens_q,
   cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, window, softcap, alibi_slopes, sinks,
@@ -109,7 +110,6 @@ Supported
 Not yet supported (raise ``NotImplementedError``)
 -------------------------------------------------
 * Gradients of ``naive_attention`` (a forward-only baseline).
-* Gradients of SDPA's ``attn_mask`` (a mask that requires grad).
 * Dropout and gradients over a paged cache (``block_table`` in ``flash_attn_varlen_func``), as in
   FlashAttention.
 * FP8.
@@ -372,8 +372,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     heads be a multiple of key/value heads. Leading dims broadcast as in torch (stride-0 views:
     batch dims, and heads of size 1 without ``enable_gqa``). ``attn_mask``: bool (True takes part)
     or float (added to the scores), float32 or the query's dtype, broadcastable to (..., H, L, S);
-    it is read through its strides (stride 0 where it broadcasts: nothing is expanded in memory) and is not
-    differentiated. A row that the mask hides entirely returns zeros, as torch's own kernels (2.5+) do.
+    it is read through its strides (stride 0 where it broadcasts: nothing is expanded in memory). A
+    float mask that requires grad gets its gradient (the backward writes dS for every score in
+    float32, (B, H, L, S), then sums it over the dims the mask broadcasts over). A row that the mask
+    hides entirely returns zeros, as torch's own kernels (2.5+) do.
     ``dropout_p`` draws from torch's default generator of the device. Unsupported arguments raise
     NotImplementedError.
     """
@@ -399,15 +401,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     else:  # fold extra leading dims into the batch (a view for contiguous inputs)
         batch = query.shape[:-3].numel()
         q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (query, key, value))
-    mask_kind = ""
+    mask_kind, mask_grad = "", False
     if attn_mask is not None:
+        mask_grad = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
+        if mask_grad and attn_mask.dtype == query.dtype != torch.float32:
+            # read as float32: its gradient is then summed over the dims it broadcasts over in float32
+            # and rounded to its dtype once, as torch's own
+            attn_mask = attn_mask.float()
         attn_mask, mask_kind = sdpa_attn_mask(fn, attn_mask, query.shape, key.shape[-2], q.shape, query.dtype,
                                               query.device)
-        if attn_mask.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError(f"{fn}: attn_mask requires grad; fmha does not differentiate the mask "
-                                      "(detach it, or use torch's SDPA)")
     params = attention_params(fn, q, k, v, causal=is_causal, scale=scale, dropout_p=dropout_p, top_left=True,
-                              names=names, attn_mask_kind=mask_kind)
+                              names=names, attn_mask_kind=mask_kind, attn_mask_grad=mask_grad)
     if q.shape[1] != k.shape[1] and not grouped:
         raise ValueError(f"{fn}: query has {q.shape[1]} heads and key {k.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")

@@ -66,26 +66,38 @@ def _forward_fake(q, k, v, alibi_slopes, sinks, attn_mask, rng_state, *options):
 
 
 def _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state, seqlens=()):
-    """``(dq, dk, dv, dsinks)``; dsinks is None without sinks."""
+    """``(dq, dk, dv, dsinks, dmask)``; dsinks is None without sinks, dmask (the (B, Hq, Sq, Sk)
+    attn_mask view's gradient, in its dtype) None unless the options ask for it."""
     sinks_grad = None if sinks is None else torch.zeros_like(sinks, memory_format=torch.contiguous_format)
+    mask_grad = None
+    if params.options.attn_mask_grad:  # key blocks a program skips keep their zeros
+        mask_grad = torch.zeros(attn_mask.shape, dtype=torch.float32, device=attn_mask.device)
     scores = score_tensors(alibi_slopes, sinks, attn_mask, rng_state)
     if scores is NO_SCORE_TENSORS:
         grads = dispatch.run_backward(dout, q, k, v, out, lse, params, seqlens=seqlens)
     else:
         grads = dispatch.run_backward(dout, q, k, v, out, lse, params, seqlens=seqlens,
-                                      scores=ScoreTensors(alibi_slopes, sinks, attn_mask, rng_state, sinks_grad))
-    return (*grads, sinks_grad)
+                                      scores=ScoreTensors(alibi_slopes, sinks, attn_mask, rng_state, sinks_grad,
+                                                          mask_grad))
+    return (*grads, sinks_grad, None if mask_grad is None else mask_grad.to(attn_mask.dtype))
 
 
 def _backward_impl(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state, *options):
     params = AttentionParams.of(q, k, v, AttentionOptions.from_op_args(*options))
-    return _op_grads(_run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state))
+    dq, dk, dv, dsinks, dmask = _run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask,
+                                              rng_state)
+    return (*_op_grads((dq, dk, dv, dsinks)), _none_as_empty(dmask, dq.device))
+
+
+def _none_as_empty(grad, device):
+    """An op returns no None: an empty float32 tensor stands for a gradient that is not there."""
+    return torch.zeros(0, dtype=torch.float32, device=device) if grad is None else grad
 
 
 def _op_grads(grads):
-    """A backward op's outputs: an op returns no None, so dsinks is empty without sinks."""
+    """A backward op's dq, dk, dv and dsinks (empty without sinks)."""
     dq, dk, dv, dsinks = grads
-    return dq, dk, dv, torch.zeros(0, dtype=torch.float32, device=dq.device) if dsinks is None else dsinks
+    return dq, dk, dv, _none_as_empty(dsinks, dq.device)
 
 
 def _grads_fake(q, k, v, sinks):
@@ -94,7 +106,11 @@ def _grads_fake(q, k, v, sinks):
 
 
 def _backward_fake(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state, *options):
-    return _grads_fake(q, k, v, sinks)
+    if AttentionOptions.from_op_args(*options).attn_mask_grad:
+        mask_grad = attn_mask.new_empty(attn_mask.shape)
+    else:
+        mask_grad = q.new_zeros(0, dtype=torch.float32)
+    return (*_grads_fake(q, k, v, sinks), mask_grad)
 
 
 forward_op = torch.library.custom_op(
@@ -105,7 +121,7 @@ forward_op.register_fake(_forward_fake)
 backward_op = torch.library.custom_op(
     "fmha::backward", _backward_impl, mutates_args=(),
     schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_SCORES}, {_OPTIONS}) "
-           "-> (Tensor, Tensor, Tensor, Tensor)")
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 backward_op.register_fake(_backward_fake)
 
 
@@ -119,9 +135,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state = ctx.saved_tensors
-    dq, dk, dv, dsinks = backward_op(grad_out, q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state,
-                                     *ctx.options)
-    return (dq, dk, dv, None, None if sinks is None else dsinks, None, None) + (None,) * _OPTION_COUNT
+    dq, dk, dv, dsinks, dmask = backward_op(grad_out, q, k, v, out, lse, alibi_slopes, sinks, attn_mask, rng_state,
+                                            *ctx.options)
+    mask_grad = AttentionOptions.from_op_args(*ctx.options).attn_mask_grad
+    return ((dq, dk, dv, None, None if sinks is None else dsinks, dmask if mask_grad else None, None)
+            + (None,) * _OPTION_COUNT)
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -136,9 +154,9 @@ class _EagerAttention(torch.autograd.Function):
     forward+backward waits for (docs/perf.md, "Host time of a forward+backward")."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, params, prepared, scores, seqlens):
+    def forward(ctx, q, k, v, sinks, attn_mask, params, prepared, scores, seqlens):
         out, lse = _launch_forward(prepared, q, k, v, scores, *seqlens)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, attn_mask)
         ctx.params, ctx.scores, ctx.seqlens = params, scores, seqlens
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # else every backward first fills a zero gradient of the LSE
@@ -148,30 +166,31 @@ class _EagerAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
         if grad_out is None:  # the output did not reach what was differentiated
-            return (None,) * 8
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+            return (None,) * 9
+        q, k, v, out, lse, sinks, attn_mask = ctx.saved_tensors
         scores = ctx.scores
-        dq, dk, dv, dsinks = _run_backward(grad_out, q, k, v, out, lse, ctx.params, scores.alibi_slopes, sinks,
-                                           scores.attn_mask, scores.rng_state, ctx.seqlens)
-        return dq, dk, dv, None if sinks is None else dsinks, None, None, None, None
+        dq, dk, dv, dsinks, dmask = _run_backward(grad_out, q, k, v, out, lse, ctx.params, scores.alibi_slopes, sinks,
+                                                  attn_mask, scores.rng_state, ctx.seqlens)
+        return dq, dk, dv, dsinks, dmask, None, None, None, None
 
 
-def needs_grad(q, k, v, sinks=None) -> bool:
+def needs_grad(q, k, v, sinks=None, attn_mask=None) -> bool:
     """Whether a call records autograd: grad mode on and an input that requires grad."""
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or sinks is not None and sinks.requires_grad)
+                                        or sinks is not None and sinks.requires_grad
+                                        or attn_mask is not None and attn_mask.requires_grad)
 
 
 def differentiable(params: AttentionParams, prepared, q, k, v, scores: ScoreTensors = NO_SCORE_TENSORS, seqlens=()):
     """``(out, lse)`` of a validated eager call whose inputs require grad, recorded for autograd
     (``seqlens``: the packed sequences' cu_seqlens)."""
-    return _EagerAttention.apply(q, k, v, scores.sinks, params, prepared, scores, seqlens)
+    return _EagerAttention.apply(q, k, v, scores.sinks, scores.attn_mask, params, prepared, scores, seqlens)
 
 
 def launch(params: AttentionParams, prepared, q, k, v, scores: ScoreTensors = NO_SCORE_TENSORS, seqlens=()):
     """``(out, lse)`` of a validated eager call and its prepared forward, differentiable when an
     input requires grad."""
-    if needs_grad(q, k, v, scores.sinks):
+    if needs_grad(q, k, v, scores.sinks, scores.attn_mask):
         return differentiable(params, prepared, q, k, v, scores, seqlens)
     return _launch_forward(prepared, q, k, v, scores, *seqlens)
 
@@ -211,7 +230,7 @@ def _varlen_backward_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     params = AttentionParams.packed(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                     AttentionOptions.from_op_args(*options))
     return _op_grads(_run_backward(dout, q, k, v, out, lse, params, alibi_slopes, sinks, attn_mask, rng_state,
-                                   seqlens=(cu_seqlens_q, cu_seqlens_k)))
+                                   seqlens=(cu_seqlens_q, cu_seqlens_k))[:4])
 
 
 def _varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -47,6 +47,7 @@ class AttentionOptions:
     has_alibi: bool = False  # alibi_slopes, fp32 (Hq,) or (B, Hq)
     has_sinks: bool = False  # sinks, fp32 (Hq,)
     attn_mask_kind: str = ""  # SDPA's attn_mask: "" none, "bool", or the float mask's dtype ("float16", ...)
+    attn_mask_grad: bool = False  # a float attn_mask that requires grad: the backward writes its gradient
     dropout_p: float = 0.0  # random bits from ScoreTensors.rng_state (a philox key drawn per call)
     deterministic: bool = False
     # An explicit kernel choice: "" lets dispatch decide; else the backend's name and its config
@@ -183,7 +184,9 @@ class ScoreTensors:
     * ``sinks``: float32 (Hq,);
     * ``attn_mask``: SDPA's mask as a (B, Hq, Sq, Sk) view, stride 0 where it broadcasts;
     * ``rng_state``: int64 (1,) on the device, the philox key of this call's dropout (fmha.ops.dropout_seed);
-    * ``sinks_grad``: float32 (Hq,), written by the backward when sinks are there.
+    * ``sinks_grad``: float32 (Hq,), written by the backward when sinks are there;
+    * ``attn_mask_grad``: float32 (B, Hq, Sq, Sk), the gradient of each score that the attn_mask
+      adds to, written by the backward when the options ask for it (``attn_mask_grad``).
     """
 
     alibi_slopes: torch.Tensor | None = None
@@ -191,6 +194,7 @@ class ScoreTensors:
     attn_mask: torch.Tensor | None = None
     rng_state: torch.Tensor | None = None
     sinks_grad: torch.Tensor | None = None
+    attn_mask_grad: torch.Tensor | None = None
 
 
 NO_SCORE_TENSORS = ScoreTensors()
@@ -427,10 +431,11 @@ def explicit_choice(fn: str, config) -> tuple[str, tuple[int, ...]]:
 def attention_params(fn: str, q, k, v, *, causal=False, scale=None, window=None, softcap=None,
                      alibi_slopes=None, sinks=None, dropout_p=0.0, generator=None, deterministic=False,
                      config=None, top_left=False, names=("q", "k", "v"), backend: str = "",
-                     attn_mask_kind: str = "") -> AttentionParams:
+                     attn_mask_kind: str = "", attn_mask_grad: bool = False) -> AttentionParams:
     """Validate a call's arguments and reduce them to one :class:`AttentionParams`.
 
-    ``attn_mask_kind``: the kind of an SDPA mask that :func:`sdpa_attn_mask` has checked ("" for none).
+    ``attn_mask_kind``: the kind of an SDPA mask that :func:`sdpa_attn_mask` has checked ("" for none);
+    ``attn_mask_grad``: that mask is float and requires grad.
     """
     check_qkv(fn, q, k, v, names)
     causal = check_flag(fn, "causal", causal)
@@ -443,6 +448,7 @@ def attention_params(fn: str, q, k, v, *, causal=False, scale=None, window=None,
         scale=check_scale(fn, scale, q.shape[3]), window_left=left, window_right=right, top_left=top_left,
         softcap=check_softcap(fn, softcap), has_alibi=check_alibi_slopes(fn, alibi_slopes, batch, q_heads, q.device),
         has_sinks=check_sinks(fn, sinks, q_heads, q.device), attn_mask_kind=attn_mask_kind,
+        attn_mask_grad=attn_mask_grad,
         dropout_p=check_dropout(fn, dropout_p), deterministic=deterministic, **_explicit(fn, config, backend))
     check_generator(fn, generator, q.device)
     return AttentionParams.of(q, k, v, options)

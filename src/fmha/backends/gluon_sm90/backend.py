@@ -124,6 +124,8 @@ class HopperBackend:
             return f"config= is a {options.backend} config"
         if options.deterministic:
             return "deterministic=True: dQ is summed with atomic adds here; the portable backward has none"
+        if options.attn_mask_grad:
+            return "the attn_mask requires grad: the portable backward writes its gradient"
         if options.layout not in ("dense", "varlen"):
             return f"layout {options.layout!r} is not built yet"
         reason = head_dim_refusal(params.head_dim) or value_head_dim_refusal(params, backward=True)

@@ -242,10 +242,11 @@ def _dq_key_blocks(
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
     rows, offs_n, offs_d, offs_dv,
     n_start, n_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+    dmask_base, stride_gm,  # the attn_mask's gradient (MASK_GRAD): this (batch, head)'s [Sq, Sk] float32
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr,
 ):
     softcap_scale, slope, mask_ptr, stride_mm, stride_mn, seed, rng_row, threshold, dropout_scale = mods
     for start_n in range(n_start, n_end, BLOCK_N):
@@ -269,6 +270,9 @@ def _dq_key_blocks(
             keep = dropout_keep(seed, rng_row, rows, start_n, threshold, probs.shape[0], BLOCK_N)
             dprobs = tl.where(keep, dprobs * dropout_scale, 0.0)
         dscores = probs * (dprobs - delta[:, None])  # [BLOCK_M, BLOCK_N]
+        if MASK_GRAD:  # the mask is added to the score after the scale and softcap: its gradient is dS
+            tl.store(dmask_base + rows.to(tl.int64)[:, None] * stride_gm + keys[None, :], dscores,
+                     mask=(rows[:, None] < seqlen_q) & (keys[None, :] < seqlen_k))
         if SOFTCAP:
             dscores = dscores * (1.0 - capped * capped)
         dq = tl.dot(dscores.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -277,21 +281,24 @@ def _dq_key_blocks(
 
 @triton.jit
 def backward_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Mask, RngState,
+    Q, K, V, DOut, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Tiles, AlibiSlopes, Mask, RngState, DMask,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_lb, stride_lh, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_gb, stride_gh, stride_gm,
     num_q_heads, group_size, seqlen_q, seqlen_k, lo, hi, scale, qk_scale,
     softcap_scale, dropout_threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    WIDE_OFFSETS: tl.constexpr,
+    MASK_GRAD: tl.constexpr, WIDE_OFFSETS: tl.constexpr,
 ):
+    """dQ of BLOCK_M query rows; with MASK_GRAD also dS of those rows, the gradient of SDPA's float
+    attn_mask, into DMask (B, Hq, Sq, Sk) float32."""
     stride_qm, stride_kn = wide_stride(stride_qm, WIDE_OFFSETS), wide_stride(stride_kn, WIDE_OFFSETS)
     stride_vn, stride_dom = wide_stride(stride_vn, WIDE_OFFSETS), wide_stride(stride_dom, WIDE_OFFSETS)
     stride_mm, stride_mn = wide_stride(stride_mm, WIDE_OFFSETS), wide_stride(stride_mn, WIDE_OFFSETS)
@@ -326,6 +333,7 @@ def backward_dq_kernel(
     mods = score_mods(AlibiSlopes, Mask, RngState, stride_ab, stride_ah, stride_mb, stride_mh, stride_mm, stride_mn,
                       softcap_scale, dropout_threshold, dropout_scale, batch, head, rng_row,
                       ALIBI, MASK, DROPOUT)
+    dmask_base = DMask + batch.to(tl.int64) * stride_gb + head.to(tl.int64) * stride_gh
 
     # The forward's key ranges: masked, whole blocks every row sees, masked.
     kv_start, full_start, full_end, kv_end = key_blocks(
@@ -335,16 +343,19 @@ def backward_dq_kernel(
     if HAS_LEFT:
         dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                             rows, offs_n, offs_d, offs_dv, kv_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                            dmask_base, stride_gm,
                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
-                            SOFTCAP, ALIBI, MASK, DROPOUT)
+                            SOFTCAP, ALIBI, MASK, DROPOUT, MASK_GRAD)
     dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                         rows, offs_n, offs_d, offs_dv, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                        dmask_base, stride_gm,
                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
-                        SOFTCAP, ALIBI, MASK, DROPOUT)
+                        SOFTCAP, ALIBI, MASK, DROPOUT, MASK_GRAD)
     dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                         rows, offs_n, offs_d, offs_dv, full_end, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                        dmask_base, stride_gm,
                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
-                        SOFTCAP, ALIBI, MASK, DROPOUT)
+                        SOFTCAP, ALIBI, MASK, DROPOUT, MASK_GRAD)
     dq = dq * scale
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_start * stride_dqm
              + rows[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=q_mask)

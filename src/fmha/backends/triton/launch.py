@@ -393,8 +393,8 @@ def launch_forward(q, k, v, out, lse, params: AttentionParams, config: ForwardCo
 def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams, config: BackwardConfig,
                     cu_seqlens_q=None, cu_seqlens_k=None, scores: ScoreTensors = NO_SCORE_TENSORS) -> None:
     """Writes dq, dk, dv (shapes and dtypes of q, k, v) from the forward's out and LSE, and the sinks'
-    gradient into ``scores.sinks_grad`` when the call has sinks. v, out, dout and dv have the value
-    head dim.
+    gradient into ``scores.sinks_grad`` when the call has sinks, and the attn_mask's into
+    ``scores.attn_mask_grad`` when that is given. v, out, dout and dv have the value head dim.
 
     Packed sequences (varlen) pass their cu_seqlens; the tensors are then (total, H, D).
     """
@@ -452,12 +452,14 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
         softcap_scale, threshold, dropout_scale,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, **common,
     )
+    mask_grad = scores.attn_mask_grad  # (B, Hq, Sq, Sk) float32, contiguous, or None
     backward_dq_kernel[dq_grid](
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, dq_tiles, alibi, mask, rng_state,
+        delta if mask_grad is None else mask_grad,
         *q_strides, *k_strides, *v_strides, *dout_strides, *dq_strides, *lse_strides,
-        stride_ab, stride_ah, *mask_strides,
+        stride_ab, stride_ah, *mask_strides, *((0, 0, 0) if mask_grad is None else mask_grad.stride()[:3]),
         num_q_heads, group_size, rows, keys, lo, hi, scale, qk_scale,
         softcap_scale, threshold, dropout_scale,
-        BLOCK_M=config.block_n, BLOCK_N=config.block_m, **common,
+        BLOCK_M=config.block_n, BLOCK_N=config.block_m, MASK_GRAD=mask_grad is not None, **common,
     )
 
