@@ -179,8 +179,11 @@ def check_call(rng, torch, kind, fn, args, kwargs, exact_grads) -> list[str]:
     found = differences(tensors_in(fn(*eager_args, **eager_kwargs)), tensors_in(compiled(*compiled_args, **passed)))
     found += differences(tensors_in((eager_args, eager_kwargs)), tensors_in((compiled_args, compiled_kwargs)), what="in")
     if kind in DIFFERENTIABLE and not found and rng.random() < 0.6:
-        eager_leaves = eager_args[:3] + ([eager_kwargs["sinks"]] if "sinks" in eager_kwargs else [])
-        compiled_leaves = compiled_args[:3] + ([compiled_kwargs["sinks"]] if "sinks" in compiled_kwargs else [])
+        def leaves(call_args, call_kwargs):  # q, k, v, and the sinks and a float attn_mask where given
+            extra = [call_kwargs[name] for name in ("sinks", "attn_mask")
+                     if isinstance(call_kwargs.get(name), torch.Tensor) and call_kwargs[name].is_floating_point()]
+            return call_args[:3] + extra
+        eager_leaves, compiled_leaves = leaves(eager_args, eager_kwargs), leaves(compiled_args, compiled_kwargs)
         for leaf in eager_leaves + compiled_leaves:
             leaf.requires_grad_()
         eager_out = tensors_in(fn(*eager_args, **eager_kwargs))[0]

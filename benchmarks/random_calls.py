@@ -37,8 +37,8 @@ from fmha.backends.gluon_sm90.schedule import softcap_kind, tile_head_dim
 from fmha.backends.triton.launch import dropout_keep_mask, kernel_dropout_p
 from fmha.masking import Window
 from fmha.params import attention_params
-from fmha.testing import (assert_close_to_reference, assert_grads_close, check_kvcache, check_paged_varlen,
-                          random_kvcache, random_paged_varlen, random_qkv)
+from fmha.testing import (assert_close_to_reference, assert_grads_close, assert_sdpa_grads_close, check_kvcache,
+                          check_paged_varlen, random_kvcache, random_paged_varlen, random_qkv)
 
 LENGTHS = [1, 2, 17, 64, 127, 128, 129, 300, 640, 1000, 1536, 2049]
 HEAD_DIMS = [64, 64, 64, 128, 128, 128, 256, 256, 8, 16, 24, 32, 40, 48, 80, 96, 112, 136, 160, 192, 200, 256]
@@ -355,7 +355,9 @@ def draw_sdpa(rng):
                 # and one key/value head for every query head without enable_gqa
                 kv_batch=1 if rng.random() < 0.25 else batch,
                 broadcast_heads=kv_heads == 1 and group > 1 and rng.random() < 0.5,
-                head_dim_v=draw_value_head_dim(rng))
+                head_dim_v=draw_value_head_dim(rng),
+                # gradients (where no row is hidden entirely: float masks or none), a float mask's too
+                backward=rng.random() < 0.4)
 
 
 def run_sdpa(case):
@@ -373,25 +375,37 @@ def run_sdpa(case):
     else:
         mask = (torch.randn(shape, device=DEVICE, generator=generator) * 2).to(
             torch.float32 if case["mask_dtype"] == "float32" else dtype)
+    backward = case.get("backward", False) and (case["is_causal"] or mask.dtype != torch.bool)
+    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+    if backward and not case["is_causal"]:
+        mask.requires_grad_()
+        leaves.append(mask)
+    q, k, v = leaves[:3]
     if case["expand"]:
         mask = mask.expand(case["batch"], case["q_heads"], case["seqlen_q"], case["seqlen_k"])
     if case["is_causal"]:
         mask = None
     gqa = case["kv_heads"] != case["q_heads"] and not case.get("broadcast_heads")
     got = fmha.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=case["is_causal"], enable_gqa=gqa)
-    ref_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
-    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=ref_mask,
-                                         is_causal=case["is_causal"], enable_gqa=gqa)
-    same_mask = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(SDPBackend.MATH):
-        same = F.scaled_dot_product_attention(q, k, v, attn_mask=same_mask, is_causal=case["is_causal"],
-                                              enable_gqa=gqa)
+    with torch.no_grad():
+        ref_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=ref_mask,
+                                             is_causal=case["is_causal"], enable_gqa=gqa)
+        same_mask = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+        with sdpa_kernel(SDPBackend.MATH):
+            same = F.scaled_dot_product_attention(q, k, v, attn_mask=same_mask, is_causal=case["is_causal"],
+                                                  enable_gqa=gqa)
     assert torch.equal(got.isnan(), ref.isnan()), "NaN rows differ from torch's"
     error = (got.double() - ref).nan_to_num().abs().max().item()
     torch_error = (same.double() - ref).nan_to_num().abs().max().item()
-    atol = {torch.float16: 1e-4, torch.bfloat16: 1e-3}[dtype]
+    atol = {torch.float16: 1e-4, torch.bfloat16: 1e-3, torch.float32: 1e-6}[dtype]
     assert error <= 2 * torch_error + atol, f"max error {error:.3g} > 2 * torch's {torch_error:.3g}"
+    if backward:
+        dout = torch.randn(got.shape, device=DEVICE, dtype=dtype, generator=generator)
+        grads = torch.autograd.grad(got, leaves, dout)
+        assert_sdpa_grads_close(grads, *leaves[:3], leaves[3] if len(leaves) == 4 else mask, dout, got.detach(),
+                                enable_gqa=gqa, is_causal=case["is_causal"])
 
 
 FAMILIES = {"dense": (draw_dense, run_dense, 5), "varlen": (draw_varlen, run_varlen, 2),

@@ -5,6 +5,7 @@ import inspect
 from fmha.testing import (  # noqa: F401
     assert_close_to_reference,
     assert_grads_close,
+    assert_sdpa_grads_close,
     random_qkv,
     torch_math_attention,
 )

@@ -7,7 +7,7 @@ from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
 
 import fmha
 
-from .helpers import assert_close_to_reference, random_qkv
+from .helpers import assert_close_to_reference, assert_sdpa_grads_close, random_qkv
 
 pytestmark = pytest.mark.interpreter
 
@@ -119,9 +119,10 @@ def test_leading_dims_that_do_not_broadcast_are_named():
         fmha.scaled_dot_product_attention(q, torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16))
 
 
-def check_attn_mask_gradient(dtype, mask_shape, gqa, device="cpu", lengths=(10, 13), head_dim=16):
+def check_attn_mask_gradient(dtype, mask_shape, gqa, device="cpu", lengths=(10, 13), head_dim=16, expand=False):
     """A float attn_mask that requires grad gets its gradient, dS summed over the dims it broadcasts
-    over, held to the error rule against float64 (torch's math SDPA in the same dtype is the bound)."""
+    over, held to the error rule (fmha.testing.assert_sdpa_grads_close). ``expand``: the caller
+    expands the mask to every batch, head and row first (stride 0)."""
     generator = torch.Generator(device=device).manual_seed(sum(mask_shape))
     seqlen_q, seqlen_k = lengths
     kv_heads = 2 if gqa else 4
@@ -129,32 +130,11 @@ def check_attn_mask_gradient(dtype, mask_shape, gqa, device="cpu", lengths=(10, 
                          for shape in ((2, 4, seqlen_q, head_dim), (2, kv_heads, seqlen_k, head_dim),
                                        (2, kv_heads, seqlen_k, head_dim)))
     mask = (torch.randn(mask_shape, generator=generator, device=device) * 2).to(dtype).requires_grad_()
-    out = fmha.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=gqa)
+    passed = mask.expand(2, 4, seqlen_q, seqlen_k) if expand else mask
+    out = fmha.scaled_dot_product_attention(query, key, value, attn_mask=passed, enable_gqa=gqa)
     dout = torch.randn(out.shape, generator=generator, device=device).to(dtype)
     grads = torch.autograd.grad(out, (query, key, value, mask), dout)
-
-    def torch_grads(cast):
-        leaves = [x.detach().to(cast).requires_grad_() for x in (query, key, value, mask)]
-        with sdpa_kernel(SDPBackend.MATH):
-            expected = torch_sdpa(*leaves[:3], attn_mask=leaves[3], enable_gqa=gqa)
-        return torch.autograd.grad(expected, leaves, dout.to(cast))
-
-    truth, same_dtype = torch_grads(torch.float64), torch_grads(dtype)
-    # The backward takes delta = rowsum(dO * O) from the rounded output, as FlashAttention does: each
-    # row's dS moves by -P * dO.(out - O), which the mask's gradient sums over the dims it broadcasts
-    # over (where torch's exact terms cancel), and dq, dk, dv see through fmha.testing's rule.
-    leaves = [x.detach().double() for x in (query, key, value, mask)]
-    k64, v64 = (x.repeat_interleave(query.shape[1] // x.shape[1], dim=1) for x in leaves[1:3])
-    probs = torch.softmax(leaves[0] @ k64.transpose(-1, -2) / head_dim ** 0.5 + leaves[3], dim=-1)
-    shift = (dout.double() * (out.detach().double() - probs @ v64)).sum(-1, keepdim=True)
-    rounding = (probs * shift).sum_to_size(mask.shape).abs().max().item()
-    atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
-    for name, got, want, torch_grad in zip(("dq", "dk", "dv", "dmask"), grads, truth, same_dtype):
-        assert got.shape == want.shape and got.dtype == dtype and not got.isnan().any(), name
-        error = (got.double() - want).abs().max().item()
-        torch_error = (torch_grad.double() - want).abs().max().item()
-        bound = 2 * torch_error + atol + (rounding if name == "dmask" else 0.0)
-        assert error <= bound, f"{name}: {error:.3g} > 2 * torch's {torch_error:.3g} + {atol} (+ rounding)"
+    assert_sdpa_grads_close(grads, query, key, value, mask, dout, out.detach(), enable_gqa=gqa)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -162,6 +142,11 @@ def check_attn_mask_gradient(dtype, mask_shape, gqa, device="cpu", lengths=(10, 
                                              ((1, 4, 10, 1), False)], ids=str)
 def test_attn_mask_gradient_matches_torch(dtype, mask_shape, gqa):
     check_attn_mask_gradient(dtype, mask_shape, gqa)
+
+
+def test_gradient_of_a_mask_the_caller_expanded():
+    # the gradient reaches the caller's (1, 1, 1, Sk) mask through its expand
+    check_attn_mask_gradient(torch.float16, (1, 1, 1, 13), False, expand=True)
 
 
 def test_attn_mask_gradient_under_torch_compile():

@@ -363,6 +363,20 @@ def _broadcast_sdpa_inputs(fn, query, key, value, enable_gqa):
                  for tensor, tensor_heads in zip((query, key, value), heads))
 
 
+def _float_mask(attn_mask):
+    """A 16-bit attn_mask that requires grad, read as float32, so that its gradient is summed over
+    the dims it broadcasts over in float32 and rounded to its dtype once, as torch's is. A mask
+    expanded by the caller (stride 0, not a leaf) stays a broadcast: its first element along those
+    dims is converted and expanded again, and its gradient (the sum) lands there, which the
+    caller's expand sums unchanged; a leaf keeps one gradient per element."""
+    strides = attn_mask.stride()
+    if attn_mask.grad_fn is None or 0 not in strides:
+        return attn_mask.float()
+    first = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
+                  for size, stride in zip(attn_mask.shape, strides))
+    return attn_mask[first].float().expand(attn_mask.shape)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
@@ -405,9 +419,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         mask_grad = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad and torch.is_grad_enabled()
         if mask_grad and attn_mask.dtype == query.dtype != torch.float32:
-            # read as float32: its gradient is then summed over the dims it broadcasts over in float32
-            # and rounded to its dtype once, as torch's own
-            attn_mask = attn_mask.float()
+            attn_mask = _float_mask(attn_mask)
         attn_mask, mask_kind = sdpa_attn_mask(fn, attn_mask, query.shape, key.shape[-2], q.shape, query.dtype,
                                               query.device)
     params = attention_params(fn, q, k, v, causal=is_causal, scale=scale, dropout_p=dropout_p, top_left=True,

@@ -164,6 +164,48 @@ def assert_grads_close(grads, q, k, v, dout, *, causal_offset=None, window=None,
     return errors
 
 
+def assert_sdpa_grads_close(grads, query, key, value, attn_mask, dout, out, *, enable_gqa=False, is_causal=False):
+    """The error rule for SDPA's gradients: dq, dk, dv, and the attn_mask's where ``grads`` has a
+    fourth, each at most 2x the error of torch's math SDPA in the inputs' dtype, both against
+    float64, plus ``atol``; NaN never passes. ``out``: the output the backward used.
+
+    The mask's bound adds the output's rounding. The backward takes delta = rowsum(dO * O) from the
+    rounded output, as FlashAttention does, which moves each row's dS by -P * dO.(out - O). The mask's
+    gradient sums that over the dims it broadcasts over, where torch's exact terms cancel.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    inputs = (query, key, value) + ((attn_mask,) if len(grads) == 4 else ())
+
+    def torch_grads(dtype):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in inputs]
+        mask = leaves[3] if len(leaves) == 4 else attn_mask
+        with sdpa_kernel(SDPBackend.MATH):
+            expected = scaled_dot_product_attention(*leaves[:3], attn_mask=mask, is_causal=is_causal,
+                                                    enable_gqa=enable_gqa)
+        return torch.autograd.grad(expected, leaves, dout.to(dtype))
+
+    truth, same_dtype = torch_grads(torch.float64), torch_grads(query.dtype)
+    rounding = 0.0
+    if len(grads) == 4:
+        q64, k64, v64, mask64 = (x.detach().double() for x in inputs)
+        group = q64.shape[-3] // k64.shape[-3]
+        k64, v64 = (x.repeat_interleave(group, dim=-3) for x in (k64, v64))
+        probs = torch.softmax(q64 @ k64.transpose(-1, -2) / q64.shape[-1] ** 0.5 + mask64, dim=-1)
+        shift = (dout.double() * (out.detach().double() - probs @ v64)).sum(-1, keepdim=True)
+        rounding = (probs * shift).sum_to_size(attn_mask.shape).abs().max().item()
+    atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[query.dtype]
+    for name, got, want, torch_grad, leaf in zip(("dq", "dk", "dv", "dmask"), grads, truth, same_dtype, inputs):
+        assert got.shape == leaf.shape and got.dtype == leaf.dtype, name
+        assert not torch.isnan(got).any(), f"{name} contains NaN"
+        error = (got.double() - want).abs().max().item() if got.numel() else 0.0
+        torch_error = (torch_grad.double() - want).abs().max().item() if got.numel() else 0.0
+        bound = 2 * torch_error + atol + (rounding if name == "dmask" else 0.0)
+        assert error <= bound, (f"{name}: max error {error:.3g} > 2 * torch's {torch_error:.3g} + {atol:g}"
+                                + (f" + the output's rounding {rounding:.3g}" if name == "dmask" else ""))
+
+
 def relative_error(q, k, v, out, *, causal_offset=None, window: Window | None = None, max_heads: int = 2) -> float:
     """Relative L2 error of the first heads of batch 0 against float64 (BHSD or BSHD ``out``); NaN if not finite."""
     if out.shape != q.shape:
