@@ -240,8 +240,9 @@ def run_varlen(case):
     generator = torch.Generator(device=DEVICE).manual_seed(case["seed"])
     lengths_q, lengths_k = case["lengths_q"], case["lengths_k"]
     q = torch.randn(sum(lengths_q), case["q_heads"], case["head_dim"], device=DEVICE, dtype=dtype, generator=generator)
-    k, v = (torch.randn(sum(lengths_k), case["kv_heads"], head_dim, device=DEVICE, dtype=dtype,
-                        generator=generator) for head_dim in (case["head_dim"], case.get("head_dim_v") or case["head_dim"]))
+    head_dims = (case["head_dim"], case.get("head_dim_v") or case["head_dim"])
+    k, v = (torch.randn(sum(lengths_k), case["kv_heads"], head_dim, device=DEVICE, dtype=dtype, generator=generator)
+            for head_dim in head_dims)
     cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
     scores = score_tensors(case, len(lengths_q), case["q_heads"])
     leaves = (q, k, v) + ((scores["sinks"],) if "sinks" in scores else ())

@@ -340,7 +340,8 @@ def tensor(heads, seqlen, feature_major):
         return torch.randn(24, seqlen, heads, 1, device="cuda", dtype=torch.bfloat16, generator=g).permute(3, 2, 1, 0)
     return torch.randn(1, heads, seqlen, 24, device="cuda", dtype=torch.bfloat16, generator=g)
 
-q, k, v = (tensor(heads, seqlen, name in which) for name, heads, seqlen in (("q", 4, 128), ("k", 1, 1000), ("v", 1, 1000)))
+shapes = (("q", 4, 128), ("k", 1, 1000), ("v", 1, 1000))
+q, k, v = (tensor(heads, seqlen, name in which) for name, heads, seqlen in shapes)
 visible = Window.of(128, 1000, left=window[0], right=window[1]) if window else None
 leaves = [t.requires_grad_() for t in (q, k, v)]
 out = fmha.attention(*leaves, window=window)

@@ -160,7 +160,8 @@ def test_attn_mask_gradient_under_torch_compile():
     dout = torch.randn(out.shape, generator=generator)
     with sdpa_kernel(SDPBackend.MATH):
         expected = torch_sdpa(query, key, value, attn_mask=mask)
-    for got, want in zip(torch.autograd.grad(out, (query, mask), dout), torch.autograd.grad(expected, (query, mask), dout)):
+    expected_grads = torch.autograd.grad(expected, (query, mask), dout)
+    for got, want in zip(torch.autograd.grad(out, (query, mask), dout), expected_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -300,20 +300,24 @@ def _one_head_dim_backward(dout, q, k, v, out, lse, params: AttentionParams, seq
     runs it as it is."""
     one_dim = one_head_dim_params(params)
     width = one_dim.head_dim
-
-    def padded(tensor):
-        return tensor if tensor.shape[-1] == width else torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
-
-    wide = [padded(tensor) for tensor in (dout, q, k, v, out)]
-    # a gradient whose tensor is as wide already is written in place
-    wide_grads = [grad if wide_tensor is tensor else torch.empty_like(wide_tensor)
-                  for grad, tensor, wide_tensor in zip((dq, dk, dv), (q, k, v), wide[1:4])]
-    hopper, _ = hopper_backward(one_dim, *wide[:4], *wide_grads, attn_mask=attn_mask)
+    narrow = (dout, q, k, v, out)
+    # Whether the Gluon backward takes the padded call, asked with unfilled tensors of the padded
+    # shapes (the check reads shapes, strides and alignment only), so that a call it refuses
+    # (deterministic=True, another GPU) copies nothing.
+    shaped = [tensor if tensor.shape[-1] == width else
+              torch.empty((*tensor.shape[:-1], width), dtype=tensor.dtype, device=tensor.device)
+              for tensor in narrow[:4]]
+    hopper, _ = hopper_backward(one_dim, *shaped, *shaped[1:4], attn_mask=attn_mask)
     index = params.device.index
     with torch.cuda.device(index) if index is not None and index != torch.cuda.current_device() else _SAME_DEVICE:
         if hopper is None:
             BACKWARD_BACKEND.backward(dout, q, k, v, out, lse, dq, dk, dv, params, None, seqlens, **scores)
             return dq, dk, dv
+        wide = [tensor if tensor.shape[-1] == width else torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
+                for tensor in narrow]
+        # a gradient whose tensor is as wide already is written in place
+        wide_grads = [grad if wide_tensor is tensor else torch.empty_like(wide_tensor)
+                      for grad, tensor, wide_tensor in zip((dq, dk, dv), (q, k, v), wide[1:4])]
         hopper(*wide, lse, *wide_grads, *seqlens, **scores)
     for grad, wide_grad in zip((dq, dk, dv), wide_grads):
         if wide_grad is not grad:

@@ -214,17 +214,20 @@ def backward_dkdv_kernel(
                           ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
-            keys, n_block * BLOCK_N, offs_m, offs_d, offs_dv, m_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            keys, n_block * BLOCK_N, offs_m, offs_d, offs_dv, m_start, full_start, seqlen_q, seqlen_k, lo, hi,
+            qk_scale, mods,
             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
             SOFTCAP, ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
-            keys, n_block * BLOCK_N, offs_m, offs_d, offs_dv, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            keys, n_block * BLOCK_N, offs_m, offs_d, offs_dv, full_start, full_end, seqlen_q, seqlen_k, lo, hi,
+            qk_scale, mods,
             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
             SOFTCAP, ALIBI, MASK, DROPOUT)
         dk, dv = _dkdv_query_blocks(
             dk, dv, k, v, q_base, do_base, lse_ptr, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod,
-            keys, n_block * BLOCK_N, offs_m, offs_d, offs_dv, full_end, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+            keys, n_block * BLOCK_N, offs_m, offs_d, offs_dv, full_end, m_end, seqlen_q, seqlen_k, lo, hi, qk_scale,
+            mods,
             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
             SOFTCAP, ALIBI, MASK, DROPOUT)
 
@@ -342,7 +345,8 @@ def backward_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_LEFT:
         dq = _dq_key_blocks(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                            rows, offs_n, offs_d, offs_dv, kv_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
+                            rows, offs_n, offs_d, offs_dv, kv_start, full_start, seqlen_q, seqlen_k, lo, hi,
+                            qk_scale, mods,
                             dmask_base, stride_gm,
                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION,
                             SOFTCAP, ALIBI, MASK, DROPOUT, MASK_GRAD)

@@ -224,7 +224,8 @@ def _forward_tile(
         acc, row_sum, row_max = _attend_kv_blocks(
             acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
             offs_m, offs_n, offs_d, offs_dv, kv_start, full_start, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False,
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA,
+            FUSED_SCALE, False,
             SOFTCAP, ALIBI, MASK, DROPOUT)
     if PIPELINE_QK:
         if full_end > full_start:
@@ -237,12 +238,14 @@ def _forward_tile(
         acc, row_sum, row_max = _attend_kv_blocks(
             acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
             offs_m, offs_n, offs_d, offs_dv, full_start, full_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE,
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA,
+            FUSED_SCALE,
             WARP_SPECIALIZE, SOFTCAP, ALIBI, MASK, DROPOUT)
     acc, row_sum, row_max = _attend_kv_blocks(
         acc, row_sum, row_max, q, k_ptrs, v_ptrs, k_desc, v_desc, batch, kv_head, stride_kn, stride_vn,
         offs_m, offs_n, offs_d, offs_dv, full_end, kv_end, seqlen_q, seqlen_k, lo, hi, qk_scale, mods,
-        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA, FUSED_SCALE, False,
+        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION, USE_TMA,
+        FUSED_SCALE, False,
         SOFTCAP, ALIBI, MASK, DROPOUT)
 
     # Rows that saw no key: output 0 and LSE -inf, never 0/0.

@@ -428,8 +428,9 @@ def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, params: AttentionParams
     qk_scale, softcap_scale, threshold, dropout_scale = score_launch.scalars
     score_constants = dict(score_launch.constants)
     del score_constants["SINKS"]  # the LSE counts them: the backward kernels never see them
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-                  DOT_PRECISION=dot_precision(q.dtype), VARLEN=p.varlen, **score_constants, WIDE_OFFSETS=wide,
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
+                  HAS_LEFT=has_left, HAS_RIGHT=has_right, DOT_PRECISION=dot_precision(q.dtype), VARLEN=p.varlen,
+                  **score_constants, WIDE_OFFSETS=wide,
                   num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
     group_size = num_q_heads // num_kv_heads
     # Each kernel keeps block_n rows resident (keys for dK/dV, queries for dQ) and streams
